@@ -1,0 +1,248 @@
+"""The gradient-rule registry and the builder that rules emit their nodes through.
+
+A rule is one function registered for an ONNX ``(domain, op_type)``::
+
+    @register("Relu")
+    def relu_grad(g: GradBuilder, node: ir.Node, dys: Sequence[ir.Value | None]):
+        (y,) = node.outputs
+        return [g.op("Where", [g.op("Greater", [y, g.zeros_like_scalar(y)]), dys[0], g.zeros_like_scalar(y)])]
+
+The contract (STYLE.md §2): a rule gets the forward node, the builder, and one output gradient per
+node output (``None`` where no gradient flows to that output; at least one is not ``None``). It
+returns one entry per node input, ``None`` meaning "no gradient". Each returned gradient must have the
+shape of its input: :meth:`GradBuilder.reduce_to` undoes broadcasting in one shared place. Nodes that
+no trainable value needs are pruned afterwards, so a rule may build every input gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+Rule = Callable[["GradBuilder", ir.Node, Sequence["ir.Value | None"]], Sequence["ir.Value | None"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleInfo:
+    domain: str
+    op_type: str
+    fn: Rule | None  # None: the op is not differentiable (its outputs never carry gradient)
+
+
+_RULES: dict[tuple[str, str], RuleInfo] = {}
+
+
+def register(op_type: str, domain: str = "") -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the gradient rule of ``(domain, op_type)``."""
+
+    def deco(fn: Rule) -> Rule:
+        key = (domain, op_type)
+        if key in _RULES:
+            raise ValueError(f"a gradient rule for {domain or 'ai.onnx'}::{op_type} is already registered")
+        _RULES[key] = RuleInfo(domain, op_type, fn)
+        return fn
+
+    return deco
+
+
+def register_nondifferentiable(*op_types: str, domain: str = "") -> None:
+    """Mark ops whose outputs carry no gradient (shape ops, comparisons, index ops)."""
+    for op_type in op_types:
+        key = (domain, op_type)
+        if key in _RULES:
+            raise ValueError(f"a gradient rule for {domain or 'ai.onnx'}::{op_type} is already registered")
+        _RULES[key] = RuleInfo(domain, op_type, None)
+
+
+def lookup(domain: str, op_type: str) -> RuleInfo | None:
+    return _RULES.get(("" if domain == "ai.onnx" else domain, op_type))
+
+
+def registered_ops() -> list[tuple[str, str]]:
+    """Every registered ``(domain, op_type)``, differentiable or not."""
+    return sorted(_RULES)
+
+
+def is_float(dtype: ir.DataType | None) -> bool:
+    return dtype is not None and dtype.is_floating_point()
+
+
+class GradBuilder:
+    """Emits backward nodes for the rules; shared helpers live here, not in each rule."""
+
+    def __init__(self, opset: int) -> None:
+        self.opset = opset
+        self.nodes: list[ir.Node] = []
+        self._node: ir.Node | None = None  # the forward node whose rule is running
+        self._count = 0
+
+    # -- node emission -------------------------------------------------------------------------
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        attributes: dict | None = None,
+        *,
+        domain: str = "",
+        num_outputs: int = 1,
+        dtype: ir.DataType | None = None,
+        shape: ir.Shape | None = None,
+    ) -> ir.Value:
+        outs = self.op_multi(op_type, inputs, attributes, domain=domain, num_outputs=num_outputs)
+        if dtype is not None:
+            outs[0].dtype = dtype
+        if shape is not None:
+            outs[0].shape = shape
+        return outs[0]
+
+    def op_multi(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        attributes: dict | None = None,
+        *,
+        domain: str = "",
+        num_outputs: int = 1,
+    ) -> Sequence[ir.Value]:
+        attrs = [] if not attributes else [ir.convenience.convert_attribute(k, v) for k, v in attributes.items()]
+        self._count += 1
+        base = self._node.name if self._node is not None and self._node.name else "grad"
+        node = ir.Node(
+            domain,
+            op_type,
+            inputs,
+            attrs,
+            num_outputs=num_outputs,
+            name=f"{base}_Grad/{op_type}_{self._count}",
+        )
+        if self._node is not None:
+            # Keep the exporter's provenance (module path) on the backward nodes too.
+            for k, v in self._node.metadata_props.items():
+                node.metadata_props[k] = v
+        self.nodes.append(node)
+        return node.outputs
+
+    # -- constants -----------------------------------------------------------------------------
+    def const(self, value, dtype: ir.DataType | None = None) -> ir.Value:
+        """A Constant node; ``dtype`` defaults to float32 for floats and int64 for ints."""
+        arr = np.asarray(value)
+        if dtype is not None:
+            arr = arr.astype(dtype.numpy())
+        elif arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        elif arr.dtype.kind == "i":
+            arr = arr.astype(np.int64)
+        out = self.op("Constant", [], {"value": ir.tensor(arr)})
+        out.dtype = ir.DataType.from_numpy(arr.dtype)
+        out.shape = ir.Shape(arr.shape)
+        return out
+
+    def scalar_like(self, value: float, like: ir.Value) -> ir.Value:
+        """A 0-d constant of ``like``'s dtype."""
+        return self.const(value, like.dtype or ir.DataType.FLOAT)
+
+    def ints(self, values: Sequence[int]) -> ir.Value:
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    # -- shape helpers -------------------------------------------------------------------------
+    def shape_of(self, x: ir.Value) -> ir.Value:
+        """``Shape(x)``, or a constant where the shape is static."""
+        static = static_shape(x)
+        if static is not None:
+            return self.ints(static)
+        return self.op("Shape", [x], dtype=ir.DataType.INT64)
+
+    def reshape_like(self, g: ir.Value, x: ir.Value) -> ir.Value:
+        return self.op("Reshape", [g, self.shape_of(x)], dtype=x.dtype, shape=x.shape)
+
+    def expand_like(self, g: ir.Value, x: ir.Value) -> ir.Value:
+        return self.op("Expand", [g, self.shape_of(x)], dtype=x.dtype, shape=x.shape)
+
+    def cast_like(self, g: ir.Value, x: ir.Value) -> ir.Value:
+        return self.op("Cast", [g], {"to": int(x.dtype)}, dtype=x.dtype)
+
+    def reduce_sum(self, g: ir.Value, axes: Sequence[int], keepdims: bool) -> ir.Value:
+        return self.op("ReduceSum", [g, self.ints(axes)], {"keepdims": int(keepdims)}, dtype=g.dtype)
+
+    def reduce_to(self, g: ir.Value, x: ir.Value, g_shape: ir.Shape | None) -> ir.Value:
+        """Sum ``g`` (of the broadcast shape ``g_shape``) down to the shape of ``x``.
+
+        # NOTE [unbroadcast]: where both shapes are known the reduced axes are fixed at build time
+        # (leading extra axes, then axes where x has a static 1 and g does not). Where a dim is
+        # symbolic, the axes are found at run time by comparing Shape(g) with Shape(x) left-padded
+        # with ones; ReduceSum with ``noop_with_empty_axes=1`` makes "nothing to reduce" a no-op.
+        """
+        x_shape = x.shape
+        if g_shape is not None and x_shape is not None:
+            rg, rx = len(g_shape), len(x_shape)
+            lead = list(range(rg - rx))
+            decidable = True
+            inner: list[int] = []
+            for i in range(rx):
+                dx, dg = x_shape[i], g_shape[rg - rx + i]
+                if dx == dg:
+                    continue
+                if dx == 1:
+                    inner.append(i)
+                elif isinstance(dx, int) and isinstance(dg, int):
+                    raise ValueError(f"cannot reduce a gradient of shape {g_shape} to {x_shape}")
+                else:
+                    decidable = False
+            if decidable:
+                out = g
+                if lead:
+                    out = self.reduce_sum(out, lead, keepdims=False)
+                if inner:
+                    out = self.reduce_sum(out, inner, keepdims=True)
+                out.shape = x_shape
+                out.dtype = x.dtype
+                return out
+        # Dynamic: compare shapes at run time.
+        shape_g = self.op("Shape", [g], dtype=ir.DataType.INT64)
+        rank_g = g_shape.rank() if g_shape is not None else None
+        rank_x = x_shape.rank() if x_shape is not None else None
+        if rank_g is None or rank_x is None:
+            raise ValueError(
+                f"cannot reduce a gradient to the shape of {x.name!r}: its rank is unknown "
+                "(run shape inference on the forward graph)"
+            )
+        out = g
+        if rank_g > rank_x:
+            out = self.reduce_sum(out, list(range(rank_g - rank_x)), keepdims=False)
+            shape_g = self.op("Shape", [out], dtype=ir.DataType.INT64)
+        shape_x = self.op("Shape", [x], dtype=ir.DataType.INT64)
+        differs = self.op("Not", [self.op("Equal", [shape_g, shape_x])])
+        axes = self.op("Reshape", [self.op("NonZero", [differs]), self.ints([-1])])
+        out = self.op(
+            "ReduceSum", [out, axes], {"keepdims": 1, "noop_with_empty_axes": 1}, dtype=x.dtype, shape=x_shape
+        )
+        return out
+
+    def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.op("Add", [a, b], dtype=a.dtype, shape=a.shape)
+
+    def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return self.op("Mul", [a, b], dtype=a.dtype)
+
+    def neg(self, a: ir.Value) -> ir.Value:
+        return self.op("Neg", [a], dtype=a.dtype, shape=a.shape)
+
+
+def static_shape(x: ir.Value) -> list[int] | None:
+    shape = x.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return [int(d) for d in shape]
+
+
+def attr(node: ir.Node, name: str, default=None):
+    """An attribute's Python value, or ``default``."""
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def input_or_none(node: ir.Node, i: int) -> ir.Value | None:
+    return node.inputs[i] if i < len(node.inputs) else None

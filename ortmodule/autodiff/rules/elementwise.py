@@ -1,0 +1,100 @@
+"""Elementwise arithmetic: broadcasting binary ops, unary math, Identity and Cast."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import onnx_ir as ir
+
+from ..registry import GradBuilder, register
+
+UnaryGrad = Callable[[GradBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
+
+
+def defunary(op_type: str, fn: UnaryGrad) -> None:
+    """Register an elementwise unary op whose rule is ``dx = fn(g, x, y, dy)``."""
+
+    def rule(g: GradBuilder, node: ir.Node, dys):
+        (x,), (y,) = node.inputs, node.outputs
+        return [fn(g, x, y, dys[0])]
+
+    rule.__name__ = f"{op_type.lower()}_grad"
+    register(op_type)(rule)
+
+
+def _sqrt_grad(g, x, y, dy):  # d sqrt(x) = dy / (2 y)
+    return g.op("Div", [dy, g.mul(y, g.scalar_like(2.0, y))])
+
+
+def _erf_grad(g, x, y, dy):  # d erf(x) = 2/sqrt(pi) exp(-x^2)
+    e = g.op("Exp", [g.neg(g.mul(x, x))])
+    return g.mul(dy, g.mul(e, g.scalar_like(2.0 / math.sqrt(math.pi), x)))
+
+
+defunary("Identity", lambda g, x, y, dy: dy)
+defunary("Neg", lambda g, x, y, dy: g.neg(dy))
+defunary("Exp", lambda g, x, y, dy: g.mul(dy, y))
+defunary("Log", lambda g, x, y, dy: g.op("Div", [dy, x]))
+defunary("Sqrt", _sqrt_grad)
+defunary("Reciprocal", lambda g, x, y, dy: g.neg(g.mul(dy, g.mul(y, y))))
+defunary("Abs", lambda g, x, y, dy: g.mul(dy, g.op("Sign", [x])))
+defunary("Erf", _erf_grad)
+defunary("Sin", lambda g, x, y, dy: g.mul(dy, g.op("Cos", [x])))
+defunary("Cos", lambda g, x, y, dy: g.neg(g.mul(dy, g.op("Sin", [x]))))
+
+
+@register("Cast")
+def cast_grad(g: GradBuilder, node: ir.Node, dys):
+    (x,) = node.inputs
+    if not (x.dtype and x.dtype.is_floating_point()):
+        return [None]
+    return [g.cast_like(dys[0], x)]
+
+
+@register("Add")
+def add_grad(g: GradBuilder, node: ir.Node, dys):
+    a, b = node.inputs
+    shape = node.outputs[0].shape
+    return [g.reduce_to(dys[0], a, shape), g.reduce_to(dys[0], b, shape)]
+
+
+@register("Sub")
+def sub_grad(g: GradBuilder, node: ir.Node, dys):
+    a, b = node.inputs
+    shape = node.outputs[0].shape
+    return [g.reduce_to(dys[0], a, shape), g.reduce_to(g.neg(dys[0]), b, shape)]
+
+
+@register("Mul")
+def mul_grad(g: GradBuilder, node: ir.Node, dys):
+    a, b = node.inputs
+    shape, dy = node.outputs[0].shape, dys[0]
+    return [g.reduce_to(g.mul(dy, b), a, shape), g.reduce_to(g.mul(dy, a), b, shape)]
+
+
+@register("Div")
+def div_grad(g: GradBuilder, node: ir.Node, dys):
+    a, b = node.inputs
+    (y,) = node.outputs
+    dy = dys[0]
+    da = g.op("Div", [dy, b])  # d(a/b)/da = 1/b
+    db = g.neg(g.op("Div", [g.mul(dy, y), b]))  # d(a/b)/db = -a/b^2 = -y/b
+    return [g.reduce_to(da, a, y.shape), g.reduce_to(db, b, y.shape)]
+
+
+@register("Pow")
+def pow_grad(g: GradBuilder, node: ir.Node, dys):
+    a, b = node.inputs
+    (y,) = node.outputs
+    dy = dys[0]
+    # d a^b / da = b a^(b-1); computed as b * a^(b-1) (not y/a, which breaks at a=0)
+    b_cast = b if b.dtype == a.dtype else g.cast_like(b, a)
+    b_minus_1 = g.op("Sub", [b_cast, g.scalar_like(1.0, a)])
+    da = g.mul(dy, g.mul(b_cast, g.op("Pow", [a, b_minus_1])))
+    grads = [g.reduce_to(da, a, y.shape), None]
+    if b.dtype is not None and b.dtype.is_floating_point():
+        # d a^b / db = y * log(a)  (torch gives 0 where a == 0 and b >= 0; we follow log's nan/inf)
+        db = g.mul(dy, g.mul(y, g.op("Log", [a])))
+        grads[1] = g.reduce_to(db, b, y.shape)
+    return grads

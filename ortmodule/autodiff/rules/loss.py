@@ -1,0 +1,78 @@
+"""Losses: SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss (weights, ignore_index, reductions)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..registry import GradBuilder, attr, input_or_none, register
+
+
+def _per_sample_coefficient(g: GradBuilder, node: ir.Node, scores: ir.Value, labels: ir.Value, dloss):
+    """d loss / d (per-sample loss) times the sample's weight; also returns the safe labels.
+
+    # NOTE [loss reductions]: per sample i the loss is -w[label_i] * logp[i, label_i], with
+    # w = 0 where label_i == ignore_index. 'mean' divides the sum by sum_i w[label_i] (the number of
+    # kept samples when there are no weights), as torch and the ONNX spec both do.
+    """
+    weights = input_or_none(node, 2)
+    ignore_index = attr(node, "ignore_index")
+    reduction = attr(node, "reduction", "mean")
+    dtype = scores.dtype
+    safe = labels
+    valid = None
+    if ignore_index is not None:
+        valid = g.op("Not", [g.op("Equal", [labels, g.const(ignore_index, labels.dtype)])])
+        safe = g.op("Where", [valid, labels, g.const(0, labels.dtype)], dtype=labels.dtype)
+    if weights is not None:
+        w = g.op("Gather", [weights, safe], dtype=dtype)
+        if valid is not None:
+            w = g.mul(w, g.op("Cast", [valid], {"to": int(dtype)}, dtype=dtype))
+    elif valid is not None:
+        w = g.op("Cast", [valid], {"to": int(dtype)}, dtype=dtype)
+    else:
+        w = None
+    coef = dloss
+    if w is not None:
+        coef = g.mul(coef, w)
+    if reduction == "mean":
+        if w is not None:
+            denom = g.op("ReduceSum", [w], {"keepdims": 0}, dtype=dtype)
+        else:
+            denom = g.op("Cast", [g.op("Size", [labels])], {"to": int(dtype)}, dtype=dtype)
+        coef = g.op("Div", [coef, denom], dtype=dtype)
+    if w is None or reduction != "none":
+        # Broadcast a scalar coefficient to one per sample.
+        coef = g.op("Expand", [coef, g.op("Shape", [labels])], dtype=dtype)
+    return g.op("Unsqueeze", [coef, g.ints([1])], dtype=dtype), safe
+
+
+def _one_hot(g: GradBuilder, safe_labels: ir.Value, scores: ir.Value) -> ir.Value:
+    depth = g.op("Gather", [g.shape_of(scores), g.ints([1])], {"axis": 0})
+    values = g.const([0.0, 1.0], scores.dtype)
+    return g.op("OneHot", [safe_labels, depth, values], {"axis": 1}, dtype=scores.dtype)
+
+
+@register("SoftmaxCrossEntropyLoss")
+def softmax_cross_entropy_grad(g: GradBuilder, node: ir.Node, dys):
+    scores, labels = node.inputs[0], node.inputs[1]
+    log_prob = node.outputs[1] if len(node.outputs) > 1 else None
+    if log_prob is None:
+        log_prob = g.op("LogSoftmax", [scores], {"axis": 1}, dtype=scores.dtype)
+    prob = g.op("Exp", [log_prob], dtype=scores.dtype)
+    dscores = None
+    if dys[0] is not None:
+        coef, safe = _per_sample_coefficient(g, node, scores, labels, dys[0])
+        dscores = g.mul(g.op("Sub", [prob, _one_hot(g, safe, scores)]), coef)
+    if len(dys) > 1 and dys[1] is not None:  # through the log_prob output, as LogSoftmax
+        s = g.op("ReduceSum", [dys[1], g.ints([1])], {"keepdims": 1})
+        d_lp = g.op("Sub", [dys[1], g.mul(prob, s)])
+        dscores = d_lp if dscores is None else g.add(dscores, d_lp)
+    return [dscores, None] + [None] * (len(node.inputs) - 2)
+
+
+@register("NegativeLogLikelihoodLoss")
+def nll_loss_grad(g: GradBuilder, node: ir.Node, dys):
+    inp, labels = node.inputs[0], node.inputs[1]
+    coef, safe = _per_sample_coefficient(g, node, inp, labels, dys[0])
+    d = g.neg(g.mul(_one_hot(g, safe, inp), coef))
+    return [d, None] + [None] * (len(node.inputs) - 2)

@@ -1,0 +1,48 @@
+"""Exceptions, and the helper that says where in the user's model a graph node came from."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+MODULE_PATH_KEY = "pkg.ortmodule.module_path"
+
+
+class ORTModuleError(RuntimeError):
+    """Base class of ortmodule's errors."""
+
+
+class ExportError(ORTModuleError):
+    """The module could not be exported to ONNX."""
+
+
+class GradientRuleError(ORTModuleError):
+    """No gradient rule exists for an op, or a rule failed."""
+
+
+def node_location(node: ir.Node) -> str:
+    """``node 'name', from torch module 'encoder.layer.3'`` — for error messages."""
+    where = f"node '{node.name}'"
+    path = node.metadata_props.get(MODULE_PATH_KEY)
+    if path is not None:
+        where += f", from torch module '{path}'" if path else ", from the top-level module"
+    return where
+
+
+def module_path_from_scope(node_name: str, wrapper_attr: str = "module") -> str | None:
+    """Recover the torch module path from a TorchScript exporter node name.
+
+    Names look like ``/module/blocks.0/seq/seq.1/Gemm``: scope segments, where a container's child
+    repeats the container's name (``seq`` then ``seq.1``). Returns ``"blocks.0.seq.1"``.
+    """
+    if not node_name.startswith("/"):
+        return None
+    segs = node_name.split("/")[1:-1]
+    if not segs or segs[0] != wrapper_attr:
+        return None
+    parts: list[str] = []
+    for seg in segs[1:]:
+        if parts and seg.startswith(parts[-1] + "."):
+            parts[-1] = seg
+        else:
+            parts.append(seg)
+    return ".".join(parts)
