@@ -1,0 +1,152 @@
+"""The TorchScript-tracer exporter behind :func:`export_module`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import warnings
+from collections.abc import Iterator, Sequence
+
+import onnx
+import torch
+from torch import nn
+
+from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
+from ..io import FlatInputs, OutputSpec, flatten_outputs
+
+DEFAULT_OPSET = 20
+WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
+
+
+def input_name(i: int) -> str:
+    return f"input:{i}"
+
+
+@dataclasses.dataclass
+class ExportedModel:
+    """The forward graph and how its inputs/outputs map to the module's world.
+
+    Graph inputs, in order: user tensors (``input:i``), parameters and buffers (by their names in
+    ``named_parameters()`` / ``named_buffers()``); an input the graph does not use may be absent.
+    Graph outputs: the user's tensor outputs, then the new values of the buffers the forward
+    mutated (``mutated_buffers`` gives their indices).
+    """
+
+    model: onnx.ModelProto
+    output_spec: OutputSpec
+    num_user_outputs: int
+    mutated_buffers: tuple[int, ...]
+    opset: int
+
+
+@contextlib.contextmanager
+def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily replace parameters/buffers (by qualified name) with the given tensors.
+
+    # NOTE [swap, not functional_call]: torch.func.functional_call refuses to run under the
+    # TorchScript tracer, so we swap the entries of ``_parameters``/``_buffers`` directly and restore
+    # them afterwards, even when the forward raises.
+    """
+    saved = []
+    try:
+        for name, t in tensors.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            store = owner._parameters if leaf in owner._parameters else owner._buffers
+            saved.append((store, leaf, store[leaf]))
+            store[leaf] = t
+        yield
+    finally:
+        for store, leaf, old in reversed(saved):
+            store[leaf] = old
+
+
+class _Flat(nn.Module):
+    """Calls the user's module from flat tensors: user inputs, then parameters, then buffers."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        flat: FlatInputs,
+        param_names: Sequence[Sequence[str]],
+        buffer_names: Sequence[Sequence[str]],
+    ) -> None:
+        super().__init__()
+        setattr(self, WRAPPER_ATTR, module)
+        self.flat = flat
+        self.param_names = param_names  # per unique parameter: every name it goes by (tied weights)
+        self.buffer_names = buffer_names
+        self.output_spec: OutputSpec | None = None
+        self.num_user_outputs = 0
+        self.mutated: tuple[int, ...] = ()
+
+    def forward(self, *tensors: torch.Tensor):
+        n_in, n_p = len(self.flat.tensors), len(self.param_names)
+        user, params, buffers = tensors[:n_in], tensors[n_in : n_in + n_p], tensors[n_in + n_p :]
+        # Buffers are cloned so that in-place updates (running stats, counters) land on a graph
+        # value we can return, and the module's own buffers stay untouched by the trace.
+        clones = [b.clone() for b in buffers]
+        versions = [c._version for c in clones]
+        swap = {n: p for names, p in zip(self.param_names, params) for n in names}
+        swap.update({n: b for names, b in zip(self.buffer_names, clones) for n in names})
+        args, kwargs = self.flat.rebuild(user)
+        module = getattr(self, WRAPPER_ATTR)
+        with swap_tensors(module, swap):
+            out = module(*args, **kwargs)
+        outs, self.output_spec = flatten_outputs(out)
+        self.num_user_outputs = len(outs)
+        self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i])
+        return tuple(outs) + tuple(clones[i] for i in self.mutated)
+
+
+def export_module(
+    module: nn.Module,
+    flat: FlatInputs,
+    params: Sequence[torch.Tensor],
+    param_names: Sequence[Sequence[str]],
+    buffers: Sequence[torch.Tensor],
+    buffer_names: Sequence[Sequence[str]],
+    *,
+    opset: int = DEFAULT_OPSET,
+) -> ExportedModel:
+    """Trace ``module`` on ``flat`` to an ONNX forward graph in the module's current train/eval mode."""
+    wrapper = _Flat(module, flat, param_names, buffer_names)
+    inputs = tuple(flat.tensors) + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
+    names = [input_name(i) for i in range(len(flat.tensors))]
+    names += [n[0] for n in param_names] + [n[0] for n in buffer_names]
+    buf = io.BytesIO()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                wrapper,
+                inputs,
+                buf,
+                dynamo=False,
+                input_names=names,
+                opset_version=opset,
+                # PRESERVE keeps each submodule's own train/eval flag (e.g. a frozen BatchNorm).
+                training=torch.onnx.TrainingMode.PRESERVE,
+                do_constant_folding=False,
+                keep_initializers_as_inputs=False,
+            )
+    except Exception as exc:
+        raise ExportError(
+            f"torch.onnx.export failed for {type(module).__name__}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if wrapper.output_spec is None:
+        raise ExportError(f"{type(module).__name__}.forward was not traced")
+    model = onnx.load_from_string(buf.getvalue())
+    for node in model.graph.node:
+        path = module_path_from_scope(node.name, WRAPPER_ATTR)
+        if path is not None:
+            node.metadata_props.add(key=MODULE_PATH_KEY, value=path)
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    return ExportedModel(
+        model=model,
+        output_spec=wrapper.output_spec,
+        num_user_outputs=wrapper.num_user_outputs,
+        mutated_buffers=wrapper.mutated,
+        opset=opset,
+    )

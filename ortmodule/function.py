@@ -1,0 +1,60 @@
+"""The ``torch.autograd.Function`` seam between PyTorch autograd and the ORT sessions.
+
+Calling convention (STYLE.md §6): the forward session returns the user outputs, then the new values
+of mutated buffers, then the saved values; the backward session takes the saved values followed by the
+output gradients and returns the gradients of the inputs that require grad. Outputs that carry no
+gradient are marked non-differentiable; inputs that need no grad get ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .runtime.entry import CompiledEntry
+
+
+def _write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for buf, new in zip(buffers, new_values):
+            buf.copy_(new)
+
+
+class ORTFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, entry: CompiledEntry, names: tuple[str, ...], mutated: tuple, *tensors: torch.Tensor):
+        graphs = entry.graphs
+        assert graphs is not None
+        feeds = dict(zip(names, tensors))
+        outs = entry.forward.run(feeds)
+        n_user = entry.exported.num_user_outputs
+        n_mut = len(mutated)
+        _write_back(mutated, outs[n_user : n_user + n_mut])
+        by_name = dict(zip(graphs.forward_outputs, outs))
+        ctx.entry = entry
+        ctx.names = names
+        ctx.saved_output_values = [by_name[n] for n in graphs.saved_outputs]
+        ctx.save_for_backward(*[feeds[n] for n in graphs.saved_inputs])
+        user = outs[:n_user]
+        diff = set(graphs.diff_outputs)
+        non_diff = [t for i, t in enumerate(user) if i not in diff]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(user)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        entry: CompiledEntry = ctx.entry
+        graphs = entry.graphs
+        assert graphs is not None
+        feeds = dict(zip(graphs.saved_inputs, ctx.saved_tensors))
+        feeds.update(zip(graphs.saved_outputs, ctx.saved_output_values))
+        n_saved = len(graphs.saved_inputs) + len(graphs.saved_outputs)
+        for name, i in zip(graphs.backward_inputs[n_saved:], graphs.diff_outputs):
+            feeds[name] = grad_outputs[i]
+        results = dict(zip(graphs.grad_targets, entry.backward.run(feeds)))
+        ctx.saved_output_values = None  # free the saved activations as soon as they are used
+        return (None, None, None, *[results.get(n) for n in ctx.names])

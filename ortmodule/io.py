@@ -1,0 +1,120 @@
+"""Flatten user inputs/outputs to flat tensor lists, and the frozen signature used as cache key."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: torch.device
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor, requires_grad: bool | None = None) -> TensorSpec:
+        rg = t.requires_grad if requires_grad is None else requires_grad
+        return TensorSpec(t.dtype, tuple(t.shape), t.device, bool(rg))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatInputs:
+    """User ``(args, kwargs)`` split into tensor leaves and a template with the rest."""
+
+    tensors: list[torch.Tensor]
+    template: list[Any]  # every leaf; tensor positions hold None
+    tensor_positions: tuple[int, ...]
+    spec: pytree.TreeSpec
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        leaves = list(self.template)
+        for pos, t in zip(self.tensor_positions, tensors):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def flatten_inputs(args: tuple, kwargs: dict) -> FlatInputs:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+    tensors = [leaves[i] for i in positions]
+    template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    return FlatInputs(tensors, template, positions, spec)
+
+
+def _constant_key(x: Any) -> Any:
+    """Non-tensor leaves are graph constants; their value is part of the key."""
+    try:
+        hash(x)
+        return (type(x), x)
+    except TypeError:
+        return (type(x), repr(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSignature:
+    """Everything that changes the compiled graphs, and nothing else (STYLE.md §7)."""
+
+    structure: str  # the pytree spec of (args, kwargs)
+    constants: tuple  # non-tensor leaves
+    inputs: tuple[TensorSpec, ...]
+    params: tuple[TensorSpec, ...]
+    buffers: tuple[TensorSpec, ...]
+    training: bool
+    grad_enabled: bool
+
+    def export_key(self) -> InputSignature:
+        """The part that decides the forward graph: requires_grad and grad mode only change autodiff."""
+        strip = lambda specs: tuple(dataclasses.replace(s, requires_grad=False) for s in specs)
+        return dataclasses.replace(
+            self,
+            inputs=strip(self.inputs),
+            params=strip(self.params),
+            buffers=strip(self.buffers),
+            grad_enabled=False,
+        )
+
+
+def make_signature(
+    flat: FlatInputs,
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    training: bool,
+) -> InputSignature:
+    grad_enabled = torch.is_grad_enabled()
+    return InputSignature(
+        structure=str(flat.spec),
+        constants=tuple(_constant_key(x) for x in flat.template if x is not None),
+        inputs=tuple(TensorSpec.of(t, t.requires_grad and grad_enabled) for t in flat.tensors),
+        params=tuple(TensorSpec.of(p, p.requires_grad and grad_enabled) for p in params),
+        buffers=tuple(TensorSpec.of(b, False) for b in buffers),
+        training=training,
+        grad_enabled=grad_enabled,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """How to rebuild the user's output from the flat tensor outputs of the graph."""
+
+    spec: pytree.TreeSpec
+    template: tuple  # every leaf; tensor positions hold None
+    tensor_positions: tuple[int, ...]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.template)
+        for pos, t in zip(self.tensor_positions, tensors):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], OutputSpec]:
+    leaves, spec = pytree.tree_flatten(out)
+    positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+    template = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+    return [leaves[i] for i in positions], OutputSpec(spec, template, positions)

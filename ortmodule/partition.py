@@ -1,0 +1,227 @@
+"""Split forward + gradient nodes into a forward model and a backward model.
+
+The forward model computes the user outputs, the new values of mutated buffers, and the
+intermediates the backward needs ("saved values"). The backward model takes the saved values and the
+output gradients and returns the gradients of the inputs that require grad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from .autodiff import build_gradient, differentiable_values
+from .export import ExportedModel
+
+# NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
+# Size and the integer arithmetic on their results) run in the forward model instead: saving a
+# small int64 vector beats saving the big tensor it was measured from.
+_SHAPE_OPS = {"Shape", "Size"}
+_SHAPE_ARITH = {"Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Add", "Sub", "Mul",
+                "Div", "Equal", "Not", "NonZero", "Reshape", "ReduceProd", "Range", "Constant"}
+
+
+@dataclasses.dataclass
+class TrainingGraphs:
+    """Forward/backward models and the calling convention between them (STYLE.md §6).
+
+    Forward inputs are the exported graph's inputs (``forward_inputs`` names). Forward outputs: the
+    user outputs, the mutated buffers, then ``saved_outputs``. Backward inputs: ``saved_inputs`` (names
+    of forward inputs it reads), ``saved_outputs``, then one gradient per ``diff_outputs`` entry.
+    Backward outputs: one gradient per entry of ``grad_targets`` (forward input names).
+    """
+
+    forward: onnx.ModelProto
+    backward: onnx.ModelProto
+    forward_inputs: list[str]
+    forward_outputs: list[str]
+    saved_inputs: list[str]
+    saved_outputs: list[str]
+    diff_outputs: list[int]  # indices of user outputs that carry gradient
+    grad_targets: list[str]
+    backward_inputs: list[str]
+    backward_outputs: list[str]
+
+
+def _value_info(v: ir.Value, name: str | None = None) -> onnx.ValueInfoProto:
+    if v.dtype is None:
+        raise ValueError(f"value {v.name!r} has no known dtype")
+    shape = None
+    if v.shape is not None:
+        shape = [d if isinstance(d, int) else (str(d.value) if d.value is not None else None) for d in v.shape]
+    return onnx.helper.make_tensor_value_info(name or v.name, int(v.dtype), shape)
+
+
+def _make_model(
+    nodes: Iterable[ir.Node],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    initializers: Sequence[onnx.TensorProto],
+    opset_imports: dict[str, int],
+    name: str,
+) -> onnx.ModelProto:
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in nodes], name, list(inputs), list(outputs), list(initializers)
+    )
+    return onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opset_imports.items()],
+        producer_name="ortmodule",
+    )
+
+
+def _infer_missing_types(model: ir.Model, nodes: Sequence[ir.Node]) -> None:
+    """Fill dtype/shape of new values that the rules did not annotate, by ONNX shape inference."""
+    missing = [o for n in nodes for o in n.outputs if o.dtype is None or o.shape is None]
+    if not missing:
+        return
+    inferred = onnx.shape_inference.infer_shapes(ir.to_proto(model))
+    known = {vi.name: vi for vi in inferred.graph.value_info}
+    for v in missing:
+        vi = known.get(v.name)
+        if vi is None or not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        if v.dtype is None and tt.elem_type:
+            v.dtype = ir.DataType(tt.elem_type)
+        if v.shape is None and tt.HasField("shape"):
+            v.shape = ir.Shape(
+                [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+            )
+
+
+def _needed_nodes(nodes: Sequence[ir.Node], outputs: Iterable[ir.Value]) -> list[ir.Node]:
+    """Dead-code elimination: the nodes (in order) that ``outputs`` depend on."""
+    live = set(outputs)
+    keep = []
+    for node in reversed(nodes):
+        if any(o in live for o in node.outputs):
+            keep.append(node)
+            live.update(v for v in node.inputs if v is not None)
+    keep.reverse()
+    return keep
+
+
+def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool]) -> TrainingGraphs:
+    """Autodiff + partition of ``exported`` for the inputs whose name maps to True in ``requires_grad``."""
+    model = ir.from_proto(exported.model)
+    graph = model.graph
+    initializers = [ir.serde.serialize_tensor(v.const_value) for v in graph.initializers.values()]
+    init_values = set(graph.initializers.values())
+    inputs = list(graph.inputs)
+    wrt = [v for v in inputs if requires_grad.get(v.name, False)]
+    n_user = exported.num_user_outputs
+    outputs = list(graph.outputs)
+    active = differentiable_values(graph, wrt)
+    diff_outputs = [i for i in range(n_user) if outputs[i] in active]
+    fwd_nodes = list(graph)
+    grad = build_gradient(graph, wrt, [outputs[i] for i in diff_outputs], opset=exported.opset)
+
+    # Name every new value uniquely by adding the nodes to the graph (its name authority), then
+    # take them out again: the split below only needs names.
+    graph.extend(grad.nodes)
+    for gi in grad.grad_outputs:
+        graph.inputs.append(gi)
+    _infer_missing_types(model, grad.nodes)
+
+    # Gradient results, in the order of the forward inputs they belong to.
+    targets = [(v, grad.input_grads[v]) for v in wrt if grad.input_grads[v] is not None]
+    bwd_result_values = [gv for _, gv in targets]
+    bwd_all = _needed_nodes(grad.nodes, bwd_result_values)
+
+    forward_values = set(inputs) | init_values | {o for n in fwd_nodes for o in n.outputs}
+    grad_inputs = set(grad.grad_outputs)
+    consts = [n for n in bwd_all if n.op_type == "Constant"]
+    free = {o for n in consts for o in n.outputs}
+    moved: list[ir.Node] = []
+    moved_out: set[ir.Value] = set()
+    for node in bwd_all:
+        ins = [v for v in node.inputs if v is not None]
+        if node.op_type == "Constant" or any(v in grad_inputs for v in ins):
+            continue
+        shape_op = node.op_type in _SHAPE_OPS and all(v in forward_values for v in ins)
+        arith = node.op_type in _SHAPE_ARITH and any(v in moved_out for v in ins) and all(
+            v in moved_out or v in free or v.const_value is not None for v in ins
+        )
+        if shape_op or arith:
+            moved.append(node)
+            moved_out.update(node.outputs)
+    moved_set = set(moved)
+    bwd_nodes = _needed_nodes([n for n in bwd_all if n not in moved_set], bwd_result_values)
+    # Constant nodes of the forward that the backward reads are copied there rather than saved.
+    copied = []
+    for node in bwd_nodes:
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.op_type == "Constant" and p not in moved_set and p not in copied:
+                if v not in moved_out and p not in bwd_nodes:
+                    copied.append(p)
+    bwd_nodes = copied + bwd_nodes
+
+    # Saved values: what the backward reads that it does not compute, other than output grads.
+    bwd_produced = {o for n in bwd_nodes for o in n.outputs}
+    saved: list[ir.Value] = []
+    seen: set[ir.Value] = set()
+    for node in bwd_nodes:
+        for v in node.inputs:
+            if v is None or v in seen or v in bwd_produced or v in grad_inputs or v in init_values:
+                continue
+            seen.add(v)
+            saved.append(v)
+    for v in bwd_result_values:  # a gradient that is a saved value or an output grad itself
+        if v not in bwd_produced and v not in seen and v not in grad_inputs and v not in init_values:
+            seen.add(v)
+            saved.append(v)
+    input_set = set(inputs)
+    saved_inputs = [v for v in saved if v in input_set]
+    saved_outputs = [v for v in saved if v not in input_set]
+
+    # Forward model: exported nodes + moved shape nodes, outputs = user outputs, buffers, saved.
+    fwd_out_values = outputs + [v for v in saved_outputs if v not in set(outputs)]
+    fwd_keep = _needed_nodes(fwd_nodes + consts + moved, fwd_out_values)
+    forward = _make_model(
+        fwd_keep,
+        [_value_info(v) for v in inputs],
+        [_value_info(v) for v in outputs]
+        + [_value_info(v) for v in saved_outputs if v not in set(outputs)],
+        initializers,
+        dict(model.opset_imports),
+        "ortmodule_forward",
+    )
+
+    # Backward model.
+    grad_out_vals = list(grad.grad_outputs)
+    bwd_outputs: list[onnx.ValueInfoProto] = []
+    extra_nodes: list[onnx.NodeProto] = []
+    out_names: list[str] = []
+    for target, gv in targets:
+        name = f"grad:{target.name}"
+        out_names.append(name)
+        bwd_outputs.append(_value_info(gv, name))
+        extra_nodes.append(onnx.helper.make_node("Identity", [gv.name], [name], name=f"Identity_{name}"))
+    used = {v for n in bwd_nodes for v in n.inputs if v is not None} | set(bwd_result_values)
+    bwd_initializers = [t for t in initializers if any(t.name == v.name for v in used)]
+    backward = _make_model(
+        bwd_nodes,
+        [_value_info(v) for v in saved] + [_value_info(v) for v in grad_out_vals],
+        bwd_outputs,
+        bwd_initializers,
+        dict(model.opset_imports),
+        "ortmodule_backward",
+    )
+    backward.graph.node.extend(extra_nodes)
+    return TrainingGraphs(
+        forward=forward,
+        backward=backward,
+        forward_inputs=[v.name for v in inputs],
+        forward_outputs=[v.name for v in fwd_out_values],
+        saved_inputs=[v.name for v in saved_inputs],
+        saved_outputs=[v.name for v in saved_outputs],
+        diff_outputs=diff_outputs,
+        grad_targets=[t.name for t, _ in targets],
+        backward_inputs=[v.name for v in saved] + [v.name for v in grad_out_vals],
+        backward_outputs=out_names,
+    )

@@ -1,0 +1,65 @@
+"""A compiled entry: everything built for one input signature, sessions created on first use."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..export import ExportedModel
+from ..partition import TrainingGraphs, build_training_graphs
+from .session import GraphRunner, make_session_options
+
+
+class CompiledEntry:
+    """The forward graph of one signature and, when gradients are needed, its training graphs.
+
+    The backward session is created lazily on the first backward (STYLE.md §7).
+    """
+
+    def __init__(
+        self,
+        exported: ExportedModel,
+        device: torch.device,
+        requires_grad: dict[str, bool] | None,
+        stats=None,
+    ) -> None:
+        self.exported = exported
+        self.device = device
+        self.stats = stats
+        self.graphs: TrainingGraphs | None = None
+        self._inference: GraphRunner | None = None
+        self._forward: GraphRunner | None = None
+        self._backward: GraphRunner | None = None
+        if requires_grad is not None:
+            t0 = time.perf_counter()
+            self.graphs = build_training_graphs(exported, requires_grad)
+            if stats is not None:
+                stats.gradient_build_s += time.perf_counter() - t0
+
+    def _runner(self, model) -> GraphRunner:
+        t0 = time.perf_counter()
+        runner = GraphRunner(model, self.device, make_session_options())
+        if self.stats is not None:
+            self.stats.session_create_s += time.perf_counter() - t0
+        return runner
+
+    @property
+    def inference(self) -> GraphRunner:
+        if self._inference is None:
+            self._inference = self._runner(self.exported.model)
+        return self._inference
+
+    @property
+    def forward(self) -> GraphRunner:
+        if self._forward is None:
+            assert self.graphs is not None
+            self._forward = self._runner(self.graphs.forward)
+        return self._forward
+
+    @property
+    def backward(self) -> GraphRunner:
+        if self._backward is None:
+            assert self.graphs is not None
+            self._backward = self._runner(self.graphs.backward)
+        return self._backward

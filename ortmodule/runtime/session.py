@@ -1,0 +1,83 @@
+"""One ORT session per graph, run on torch tensors without copies (DLPack + IOBinding)."""
+
+from __future__ import annotations
+
+import onnx
+import onnxruntime as ort
+import torch
+from onnxruntime.capi import _pybind_state as C
+
+_CPU_DEVICE = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+def make_session_options(
+    intra_op_threads: int | None = None, optimization: str = "all", profile_prefix: str | None = None
+) -> ort.SessionOptions:
+    """Session options chosen once per session.
+
+    # NOTE [threads]: torch and ORT share the cores. ORT's intra-op pool follows
+    # ``torch.get_num_threads()`` and does not spin after a run, so torch's threads (running the
+    # optimizer, the loss) are not starved by ORT workers spin-waiting, and vice versa.
+    """
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = intra_op_threads or torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.graph_optimization_level = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    }[optimization]
+    so.log_severity_level = 3
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+def providers_for(device: torch.device) -> list:
+    if device.type == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class GraphRunner:
+    """Runs one ONNX model on torch tensors: inputs bound by storage, outputs handed back by DLPack."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        device: torch.device,
+        options: ort.SessionOptions | None = None,
+    ) -> None:
+        self.device = device
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), options or make_session_options(), providers=providers_for(device)
+        )
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self._sess = self.session._sess
+        self._run_options = C.RunOptions()
+        if device.type == "cuda":
+            self._out_device = C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
+        else:
+            self._out_device = _CPU_DEVICE
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run with ``feeds`` (by input name; extra names are ignored); outputs in model order."""
+        binding = C.SessionIOBinding(self._sess)
+        for name in self.input_names:
+            t = feeds[name]
+            if not t.is_contiguous():
+                t = t.contiguous()
+            binding.bind_ortvalue_input(name, C.OrtValue.from_dlpack(t.detach().__dlpack__()))
+        for name in self.output_names:
+            binding.bind_output(name, self._out_device)
+        self._sess.run_with_iobinding(binding, self._run_options)
+        return [_to_torch(v) for v in binding.get_outputs()]
+
+
+def _to_torch(value: C.OrtValue) -> torch.Tensor:
+    return torch.from_dlpack(value.to_dlpack())
