@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .export import export_module
-from .export.torchscript import input_name
+from .export.torchscript import input_name, mask_name
 from .function import ORTFunction
 from .io import flatten_inputs, make_signature
 from .runtime.cache import LRUCache
@@ -127,8 +127,10 @@ class ORTModule(nn.Module):
             [input_name(i) for i in range(len(flat.tensors))]
             + [n[0] for n in param_names]
             + [n[0] for n in buffer_names]
+            + [mask_name(i) for i in range(len(exported.masks))]
         )
-        tensors = [*flat.tensors, *params, *buffers]
+        device = entry.device
+        tensors = [*flat.tensors, *params, *buffers, *(spec.draw(device) for spec in exported.masks)]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
         if needs_grad:
             outs = ORTFunction.apply(entry, names, mutated, *tensors)

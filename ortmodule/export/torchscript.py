@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
+from .semantics import DiscoverMasks, ExportSemantics, MaskSpec
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -23,12 +24,17 @@ def input_name(i: int) -> str:
     return f"input:{i}"
 
 
+def mask_name(i: int) -> str:
+    return f"dropout:{i}"
+
+
 @dataclasses.dataclass
 class ExportedModel:
     """The forward graph and how its inputs/outputs map to the module's world.
 
     Graph inputs, in order: user tensors (``input:i``), parameters and buffers (by their names in
-    ``named_parameters()`` / ``named_buffers()``); an input the graph does not use may be absent.
+    ``named_parameters()`` / ``named_buffers()``), then dropout masks (``dropout:i``, see
+    NOTE [dropout masks]); an input the graph does not use may be absent.
     Graph outputs: the user's tensor outputs, then the new values of the buffers the forward
     mutated (``mutated_buffers`` gives their indices).
     """
@@ -38,6 +44,7 @@ class ExportedModel:
     num_user_outputs: int
     mutated_buffers: tuple[int, ...]
     opset: int
+    masks: tuple[MaskSpec, ...] = ()
 
 
 @contextlib.contextmanager
@@ -80,10 +87,12 @@ class _Flat(nn.Module):
         self.output_spec: OutputSpec | None = None
         self.num_user_outputs = 0
         self.mutated: tuple[int, ...] = ()
+        self.discovery: DiscoverMasks | None = None
 
     def forward(self, *tensors: torch.Tensor):
-        n_in, n_p = len(self.flat.tensors), len(self.param_names)
-        user, params, buffers = tensors[:n_in], tensors[n_in : n_in + n_p], tensors[n_in + n_p :]
+        n_in, n_p, n_b = len(self.flat.tensors), len(self.param_names), len(self.buffer_names)
+        user, params = tensors[:n_in], tensors[n_in : n_in + n_p]
+        buffers, masks = tensors[n_in + n_p : n_in + n_p + n_b], tensors[n_in + n_p + n_b :]
         # Buffers are cloned so that in-place updates (running stats, counters) land on a graph
         # value we can return, and the module's own buffers stay untouched by the trace.
         clones = [b.clone() for b in buffers]
@@ -92,7 +101,8 @@ class _Flat(nn.Module):
         swap.update({n: b for names, b in zip(self.buffer_names, clones) for n in names})
         args, kwargs = self.flat.rebuild(user)
         module = getattr(self, WRAPPER_ATTR)
-        with swap_tensors(module, swap):
+        mode = self.discovery or ExportSemantics(list(masks))
+        with swap_tensors(module, swap), mode:
             out = module(*args, **kwargs)
         outs, self.output_spec = flatten_outputs(out)
         self.num_user_outputs = len(outs)
@@ -113,8 +123,14 @@ def export_module(
     """Trace ``module`` on ``flat`` to an ONNX forward graph in the module's current train/eval mode."""
     wrapper = _Flat(module, flat, param_names, buffer_names)
     inputs = tuple(flat.tensors) + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
+    masks: tuple[MaskSpec, ...] = ()
+    if any(m.training for m in module.modules()):
+        masks = _discover_masks(wrapper, inputs)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    inputs += tuple(torch.ones(spec.shape, dtype=spec.dtype, device=device) for spec in masks)
     names = [input_name(i) for i in range(len(flat.tensors))]
     names += [n[0] for n in param_names] + [n[0] for n in buffer_names]
+    names += [mask_name(i) for i in range(len(masks))]
     buf = io.BytesIO()
     try:
         with warnings.catch_warnings():
@@ -149,4 +165,18 @@ def export_module(
         num_user_outputs=wrapper.num_user_outputs,
         mutated_buffers=wrapper.mutated,
         opset=opset,
+        masks=masks,
     )
+
+
+def _discover_masks(wrapper: _Flat, inputs: tuple) -> tuple[MaskSpec, ...]:
+    """One eager forward without grad that records the dropout masks drawn (NOTE [dropout masks])."""
+    wrapper.discovery = DiscoverMasks()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            wrapper(*inputs)
+        return tuple(wrapper.discovery.masks)
+    except Exception as exc:
+        raise ExportError(f"the forward failed when run eagerly: {type(exc).__name__}: {exc}") from exc
+    finally:
+        wrapper.discovery = None

@@ -1,0 +1,157 @@
+"""Training semantics kept through export: BatchNorm running statistics and Dropout masks.
+
+# NOTE [dropout masks]: every training-mode dropout (``F.dropout`` and the dropout inside
+# ``F.scaled_dot_product_attention``) is exported as ``x * mask * 1/(1-p)`` where ``mask`` is a
+# graph INPUT. Before each run the masks are drawn in torch, in the order the eager forward would
+# draw them, with the same call (``empty_like(x).bernoulli_(1-p)``). So the masks come from torch's
+# generator (``torch.manual_seed`` makes runs reproducible; they are even bit-identical to eager
+# PyTorch's), and the backward reuses the forward's mask because it is a saved input. The list of
+# masks (shape, dtype, p) is found by one eager forward without grad at export time, with the RNG
+# state restored afterwards.
+#
+# NOTE [batchnorm stats]: ONNX BatchNormalization(training_mode=1) updates its running variance
+# with the biased batch variance while torch uses the unbiased one, so the exported node keeps
+# computing Y (batch statistics, fused kernel) and the running-stat updates are written as explicit
+# in-place ops on the buffer clones; the exporter turns them into graph outputs that are copied
+# back into the module's buffers after each run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    p: float
+
+    def draw(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p)
+
+
+def _dropout_args(func, args, kwargs):
+    """(input, p, training) of an F.dropout call."""
+    names = ("input", "p", "training", "inplace")
+    defaults = {"p": 0.5, "training": True, "inplace": False}
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound["input"], float(bound["p"]), bool(bound["training"])
+
+
+def _sdpa_args(args, kwargs):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, dropout=None):
+    """Scaled dot-product attention written out, with ``dropout(weights)`` applied if given."""
+    L, S = q.size(-2), k.size(-2)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    if enable_gqa:
+        rep = q.size(-3) // k.size(-3)
+        k = k.repeat_interleave(rep, -3)
+        v = v.repeat_interleave(rep, -3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    if dropout is not None:
+        weights = dropout(weights)
+    return torch.matmul(weights, v)
+
+
+class _Base(TorchFunctionMode):
+    def _batch_norm(self, func, args, kwargs):
+        return func(*args, **kwargs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            x, p, training = _dropout_args(func, args, kwargs)
+            if training and p > 0.0:
+                return self.dropout(x, p)
+            return x
+        if func is F.scaled_dot_product_attention:
+            b = _sdpa_args(args, kwargs)
+            if b["dropout_p"] > 0.0:
+                p = float(b["dropout_p"])
+                return sdpa_math(
+                    b["query"], b["key"], b["value"], b["attn_mask"], b["is_causal"], b["scale"],
+                    b["enable_gqa"], dropout=lambda w: self.dropout(w, p),
+                )
+        if func is F.batch_norm:
+            return self._batch_norm(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DiscoverMasks(_Base):
+    """Eager pass: records the dropout masks a forward draws (shape, dtype, p), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[MaskSpec] = []
+
+    def dropout(self, x, p):
+        spec = MaskSpec(tuple(x.shape), x.dtype, p)
+        self.masks.append(spec)
+        return x * spec.draw(x.device) * (1.0 / (1.0 - p)) if p < 1.0 else x * 0.0
+
+
+class ExportSemantics(_Base):
+    """Trace pass: dropout reads its mask from graph inputs; BatchNorm updates its stats explicitly."""
+
+    def __init__(self, masks: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.masks = masks
+        self.used = 0
+
+    def dropout(self, x, p):
+        if self.used >= len(self.masks):
+            raise RuntimeError(
+                "the forward drew more dropout masks than when it was first run; data-dependent "
+                "control flow around dropout is not supported"
+            )
+        mask = self.masks[self.used]
+        self.used += 1
+        if p >= 1.0:
+            return x * 0.0
+        return x * mask * (1.0 / (1.0 - p))
+
+    def _batch_norm(self, func, args, kwargs):
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        b = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+        b.update(zip(names, args))
+        b.update(kwargs)
+        x, rm, rv = b["input"], b["running_mean"], b["running_var"]
+        y = func(*args, **kwargs)
+        if b["training"] and rm is not None and rv is not None:
+            momentum = b["momentum"]
+            dims = [0] + list(range(2, x.dim()))
+            n = x.numel() // x.size(1)
+            with torch.no_grad():
+                xd = x.detach()
+                mean = xd.mean(dims)
+                var = xd.var(dims, unbiased=False) * (n / max(n - 1, 1))
+                rm.copy_(rm * (1.0 - momentum) + mean * momentum)
+                rv.copy_(rv * (1.0 - momentum) + var * momentum)
+        return y

@@ -1,0 +1,115 @@
+"""Training semantics: Dropout masks from torch's generator, BatchNorm statistics, eval mode."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortmodule import ORTModule
+
+from .helpers import CallCounter, assert_close
+
+
+def dropout_mlp(p1=0.3, p2=0.5) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Dropout(p1), nn.Linear(64, 64), nn.Dropout(p2), nn.Linear(64, 10)
+    )
+
+
+def test_dropout_masks_match_eager_under_the_same_seed():
+    model = dropout_mlp()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(16, 32)
+    for step in range(3):
+        for m in (eager, wrapped):
+            m.zero_grad()
+            torch.manual_seed(100 + step)
+            m.out = m(x)
+            m.out.square().sum().backward()
+        assert_close(wrapped.out, eager.out, 1e-5, f"output at step {step}")
+        for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, f"{n}.grad at step {step}")
+
+
+def test_dropout_reproducible_and_fresh_each_call():
+    wrapped = ORTModule(dropout_mlp())
+    x = torch.randn(16, 32)
+    torch.manual_seed(7)
+    a = wrapped(x)
+    b = wrapped(x)
+    torch.manual_seed(7)
+    c = wrapped(x)
+    assert torch.equal(a, c), "same seed must give the same masks"
+    assert not torch.equal(a, b), "each call must draw new masks"
+
+
+def test_dropout_backward_reuses_forward_mask():
+    torch.manual_seed(0)
+    wrapped = ORTModule(nn.Sequential(nn.Dropout(0.5)))
+    x = torch.randn(64, 64, requires_grad=True)
+    y = wrapped(x)
+    y.sum().backward()
+    kept = y != 0
+    # d(sum(x * mask / (1 - p)))/dx = mask / (1 - p): exactly where the forward kept values
+    assert torch.equal(x.grad != 0, kept)
+    assert torch.allclose(x.grad[kept], torch.full_like(x.grad[kept], 2.0))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keep_rate(p):
+    wrapped = ORTModule(nn.Sequential(nn.Dropout(p)))
+    x = torch.ones(200, 500)
+    y = wrapped(x)
+    keep = (y != 0).float().mean().item()
+    n = x.numel()
+    sigma = ((1 - p) * p / n) ** 0.5
+    assert abs(keep - (1 - p)) < 5 * sigma, f"keep rate {keep:.4f}, expected {1 - p} +- {5 * sigma:.4f}"
+    assert torch.allclose(y[y != 0], torch.full_like(y[y != 0], 1 / (1 - p)))
+
+
+def test_dropout_eval_is_identity():
+    wrapped = ORTModule(dropout_mlp()).eval()
+    x = torch.randn(16, 32)
+    ref = copy.deepcopy(wrapped.module).eval()(x)
+    assert_close(wrapped(x), ref, 1e-6, "eval output")
+    assert_close(wrapped(x), wrapped(x), 0.0, "eval is deterministic")
+
+
+class SDPA(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.p = p
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.p if self.training else 0.0)
+
+
+def test_sdpa_dropout_masks_match_eager():
+    torch.manual_seed(0)
+    model = SDPA(0.2)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 5, 16)
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[:, :, :, -1] = float("-inf")
+    for m in (eager, wrapped):
+        torch.manual_seed(3)
+        m.out = m(x, mask)
+        m.out.square().sum().backward()
+    assert_close(wrapped.out, eager.out, 1e-5, "attention output")
+    for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-5, f"{n}.grad")
+
+
+def test_module_forward_not_rerun_with_dropout():
+    wrapped = ORTModule(dropout_mlp())
+    x = torch.randn(4, 32)
+    wrapped(x).sum().backward()
+    counter = CallCounter(wrapped.module)
+    for _ in range(3):
+        wrapped(x).sum().backward()
+    assert counter.count == 0
