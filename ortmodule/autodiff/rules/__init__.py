@@ -1,3 +1,3 @@
 """Gradient rules, one file per op family. Importing this package registers them all."""
 
-from . import activation, elementwise, linalg, loss, shape  # noqa: F401
+from . import activation, conv, elementwise, linalg, loss, norm, pool, shape  # noqa: F401

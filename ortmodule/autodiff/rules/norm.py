@@ -1,0 +1,179 @@
+"""Normalisation and regularisation layers: BatchNormalization, InstanceNormalization,
+LayerNormalization, Dropout."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ...errors import GradientRuleError, node_location
+from ..registry import GradBuilder, attr, input_or_none, register
+
+
+def _rank(x: ir.Value, op_type: str) -> int:
+    if x.shape is None:
+        raise ValueError(f"{op_type} gradient needs the rank of its input (run shape inference first)")
+    return x.shape.rank()
+
+
+def _reduce_mean(g: GradBuilder, v: ir.Value, axes: list[int]) -> ir.Value:
+    if g.opset >= 18:
+        return g.op("ReduceMean", [v, g.ints(axes)], {"keepdims": 1}, dtype=v.dtype)
+    return g.op("ReduceMean", [v], {"axes": axes, "keepdims": 1}, dtype=v.dtype)
+
+
+def _normalized(g: GradBuilder, x: ir.Value, axes: list[int], eps: float):
+    """``(x - mean) * invstd`` over ``axes`` (biased variance), with the centred x and invstd (kept dims)."""
+    xc = g.op("Sub", [x, _reduce_mean(g, x, axes)], dtype=x.dtype)
+    var = _reduce_mean(g, g.mul(xc, xc), axes)
+    invstd = g.op("Reciprocal", [g.op("Sqrt", [g.add(var, g.scalar_like(eps, x))])], dtype=x.dtype)
+    return g.mul(xc, invstd), xc, invstd
+
+
+def _normalize_backward(g: GradBuilder, dxhat: ir.Value, xhat: ir.Value, invstd: ir.Value, axes: list[int]):
+    """dX of ``xhat = (x - mean(x)) / sqrt(var(x) + eps)`` over ``axes``, given d xhat.
+
+    # NOTE [normalisation backward]: with the statistics taken over the same axes,
+    # dX = invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)); the two means are the
+    # gradients flowing through the batch mean and the batch variance.
+    """
+    inner = g.op("Sub", [dxhat, _reduce_mean(g, dxhat, axes)], dtype=dxhat.dtype)
+    inner = g.op("Sub", [inner, g.mul(xhat, _reduce_mean(g, g.mul(dxhat, xhat), axes))], dtype=dxhat.dtype)
+    return g.mul(invstd, inner)
+
+
+def _per_channel(g: GradBuilder, p: ir.Value, rank: int) -> ir.Value:
+    """A ``[C]`` parameter as ``[1, C, 1, ...]`` for broadcasting against ``[N, C, D...]``."""
+    return g.op("Unsqueeze", [p, g.ints([0, *range(2, rank)])], dtype=p.dtype)
+
+
+@register("BatchNormalization")
+def batch_norm_grad(g: GradBuilder, node: ir.Node, dys):
+    """Gradients into Y only: running_mean/running_var outputs are buffer updates, not trained through."""
+    x, scale, bias, mean, var = node.inputs[:5]
+    dy = dys[0]
+    grads: list[ir.Value | None] = [None] * len(node.inputs)
+    if dy is None:
+        return grads
+    rank = _rank(x, "BatchNormalization")
+    axes = [0, *range(2, rank)]
+    eps = float(attr(node, "epsilon", 1e-5))
+    scale_b = _per_channel(g, scale, rank)
+    if int(attr(node, "training_mode", 0)):
+        # Batch statistics: the input mean/var do not reach Y.
+        xhat, _, invstd = _normalized(g, x, axes, eps)
+        grads[0] = _normalize_backward(g, g.mul(dy, scale_b), xhat, invstd, axes)
+    else:
+        # Y = (x - mean) * invstd * scale + B with fixed running statistics: affine in x.
+        invstd1 = g.op("Reciprocal", [g.op("Sqrt", [g.add(var, g.scalar_like(eps, var))])], dtype=var.dtype)
+        invstd = _per_channel(g, invstd1, rank)
+        xc = g.op("Sub", [x, _per_channel(g, mean, rank)], dtype=x.dtype)
+        xhat = g.mul(xc, invstd)
+        grads[0] = g.mul(dy, g.mul(scale_b, invstd))
+        sum_dy = g.reduce_sum(dy, axes, keepdims=False)
+        k = g.mul(scale, invstd1)  # d Y / d x per channel
+        grads[3] = g.neg(g.mul(sum_dy, k))
+        sum_dy_xc = g.reduce_sum(g.mul(dy, xc), axes, keepdims=False)
+        d_invstd = g.mul(sum_dy_xc, scale)
+        # d invstd / d var = -invstd^3 / 2
+        grads[4] = g.mul(d_invstd, g.mul(g.mul(invstd1, g.mul(invstd1, invstd1)), g.scalar_like(-0.5, var)))
+    grads[1] = g.reduce_sum(g.mul(dy, xhat), axes, keepdims=False)
+    grads[2] = g.reduce_sum(dy, axes, keepdims=False)
+    return grads
+
+
+@register("InstanceNormalization")
+def instance_norm_grad(g: GradBuilder, node: ir.Node, dys):
+    x, scale, _bias = node.inputs
+    dy = dys[0]
+    rank = _rank(x, "InstanceNormalization")
+    spatial = list(range(2, rank))
+    eps = float(attr(node, "epsilon", 1e-5))
+    xhat, _, invstd = _normalized(g, x, spatial, eps)
+    dx = _normalize_backward(g, g.mul(dy, _per_channel(g, scale, rank)), xhat, invstd, spatial)
+    axes = [0, *spatial]
+    return [dx, g.reduce_sum(g.mul(dy, xhat), axes, keepdims=False), g.reduce_sum(dy, axes, keepdims=False)]
+
+
+@register("LayerNormalization")
+def layer_norm_grad(g: GradBuilder, node: ir.Node, dys):
+    """Also takes gradients arriving at the optional Mean / InvStdDev outputs."""
+    x, scale = node.inputs[0], node.inputs[1]
+    bias = input_or_none(node, 2)
+    y = node.outputs[0]
+    rank = _rank(x, "LayerNormalization")
+    axis = int(attr(node, "axis", -1)) % rank
+    axes = list(range(axis, rank))
+    eps = float(attr(node, "epsilon", 1e-5))
+    xhat, xc, invstd = _normalized(g, x, axes, eps)
+    dy = dys[0]
+    grads: list[ir.Value | None] = [None] * len(node.inputs)
+    dx = None
+    if dy is not None:
+        dx = _normalize_backward(g, g.mul(dy, scale), xhat, invstd, axes)
+        grads[1] = g.reduce_to(g.mul(dy, xhat), scale, y.shape)
+        if bias is not None:
+            grads[2] = g.reduce_to(dy, bias, y.shape)
+    d_mean = dys[1] if len(dys) > 1 else None
+    d_inv = dys[2] if len(dys) > 2 else None
+    if d_mean is not None or d_inv is not None:
+        # Mean = mean(x); InvStdDev = (var + eps)^-1/2 with d var / d x = 2 (x - mean) / count.
+        count = g.op(
+            "Cast",
+            [g.op("ReduceProd", [g.op("Slice", [g.op("Shape", [x]), g.ints([axis]), g.ints([rank])])],
+                  {"keepdims": 0})],
+            {"to": int(x.dtype)},
+            dtype=x.dtype,
+        )
+        extra = None
+        if d_mean is not None:
+            extra = g.op("Div", [g.expand_like(d_mean, x), count], dtype=x.dtype)
+        if d_inv is not None:
+            cube = g.mul(invstd, g.mul(invstd, invstd))
+            term = g.op("Div", [g.neg(g.mul(g.mul(d_inv, cube), xc)), count], dtype=x.dtype)
+            extra = term if extra is None else g.add(extra, term)
+        dx = extra if dx is None else g.add(dx, extra)
+    grads[0] = dx
+    return grads
+
+
+def _const_bool(v: ir.Value | None) -> bool | None:
+    """``False`` if omitted; the value if constant; ``None`` if only known at run time."""
+    if v is None:
+        return False
+    t = ir.convenience.get_const_tensor(v)
+    return None if t is None else bool(np.asarray(t.numpy()).reshape(-1)[0])
+
+
+@register("Dropout")
+def dropout_grad(g: GradBuilder, node: ir.Node, dys):
+    """dX = dY * mask / (1 - ratio) in training, dY otherwise.
+
+    # NOTE [dropout mask]: the random mask cannot be recomputed in the backward, so a training-mode
+    # Dropout must output it. Exports that leave it out are rewritten to add the mask output before
+    # the gradient is built; reaching this rule without one is an error, not a silent identity.
+    """
+    x = node.inputs[0]
+    ratio = input_or_none(node, 1)
+    training = input_or_none(node, 2)
+    dy = dys[0]
+    rest = [None] * (len(node.inputs) - 1)
+    is_training = _const_bool(training)
+    if is_training is False:
+        return [dy, *rest]
+    mask = node.outputs[1] if len(node.outputs) > 1 and node.outputs[1].name else None
+    if mask is None:
+        raise GradientRuleError(
+            f"Dropout in training mode has no mask output ({node_location(node)}), so its gradient "
+            "cannot be recovered; the export must request the mask (the Dropout node needs a second "
+            "output), which the dropout-mask graph rewrite adds before the gradient is built"
+        )
+    if ratio is None:
+        scale = g.scalar_like(2.0, x)  # default ratio 0.5
+    else:
+        r = ratio if ratio.dtype == x.dtype else g.cast_like(ratio, x)
+        scale = g.op("Reciprocal", [g.op("Sub", [g.scalar_like(1.0, x), r], dtype=x.dtype)], dtype=x.dtype)
+    kept = g.mul(g.mul(dy, g.cast_like(mask, x)), scale)
+    if is_training is None:  # decided at run time
+        kept = g.op("Where", [training, kept, dy], dtype=x.dtype)
+    return [kept, *rest]
