@@ -5,9 +5,9 @@
 # graph INPUT. Before each run the masks are drawn in torch, in the order the eager forward would
 # draw them, with the same call (``empty_like(x).bernoulli_(1-p)``). So the masks come from torch's
 # generator (``torch.manual_seed`` makes runs reproducible; they are even bit-identical to eager
-# PyTorch's), and the backward reuses the forward's mask because it is a saved input. The list of
-# masks (shape, dtype, p) is found by one eager forward without grad at export time, with the RNG
-# state restored afterwards.
+# PyTorch's), and the backward reuses the forward's mask because it is a saved input. During the
+# trace a placeholder op ``ortmodule::dropout_mask(x, p, k)`` stands for mask k; the exporter emits it
+# as an ``ortmodule.DropoutMask`` node that :func:`masks_to_inputs` replaces by the input ``dropout:k``.
 #
 # NOTE [batchnorm stats]: ONNX BatchNormalization(training_mode=1) updates its running variance
 # with the biased batch variance while torch uses the unbiased one, so the exported node keeps
@@ -77,6 +77,67 @@ def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=F
     return torch.matmul(weights, v)
 
 
+MASK_OP = "DropoutMask"
+MASK_DOMAIN = "ortmodule"
+
+
+def define_mask_op() -> None:
+    """The placeholder ``ortmodule::dropout_mask`` and its ONNX symbolic (NOTE [dropout masks])."""
+    if hasattr(torch.ops.ortmodule, "dropout_mask"):
+        return
+    lib = torch.library.Library("ortmodule", "DEF")
+    lib.define("dropout_mask(Tensor x, float p, int k) -> Tensor")
+    lib.impl("dropout_mask", lambda x, p, k: torch.ones_like(x), "CompositeExplicitAutograd")
+    define_mask_op.lib = lib  # keep the library alive
+
+    def symbolic(g, x, p, k):
+        index = torch.onnx.symbolic_helper._get_const(k, "i", "k")
+        out = g.op(f"{MASK_DOMAIN}::{MASK_OP}", x, index_i=index)
+        out.setType(x.type())
+        return out
+
+    torch.onnx.register_custom_op_symbolic("ortmodule::dropout_mask", symbolic, 9)
+
+
+_ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
+
+
+def masks_to_inputs(model, masks: list[MaskSpec], input_name) -> None:
+    """Replace each ``ortmodule.DropoutMask`` node (index k) by a graph input ``input_name(k)``."""
+    import onnx
+
+    graph = model.graph
+    renames: dict[str, str] = {}
+    keep = []
+    found = []
+    for node in graph.node:
+        if node.domain == MASK_DOMAIN and node.op_type == MASK_OP:
+            k = next(a.i for a in node.attribute if a.name == "index")
+            renames[node.output[0]] = input_name(k)
+            found.append((k, node.input[0]))
+        else:
+            keep.append(node)
+    if not found:
+        return
+    for k, _ in sorted(found):
+        spec = masks[k]
+        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), _ONNX_DTYPE[spec.dtype], spec.shape))
+    for node in keep:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+    for out in graph.output:
+        if out.name in renames:
+            raise ValueError("a dropout mask cannot be a graph output")
+    del graph.node[:]
+    graph.node.extend(keep)
+    if not any(o.domain == MASK_DOMAIN for o in model.opset_import):
+        return
+    opsets = [o for o in model.opset_import if o.domain != MASK_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(opsets)
+
+
 class _Base(TorchFunctionMode):
     def _batch_norm(self, func, args, kwargs):
         return func(*args, **kwargs)
@@ -104,38 +165,19 @@ class _Base(TorchFunctionMode):
         raise NotImplementedError
 
 
-class DiscoverMasks(_Base):
-    """Eager pass: records the dropout masks a forward draws (shape, dtype, p), in order."""
+class ExportSemantics(_Base):
+    """Trace pass: dropout reads its mask from graph inputs; BatchNorm updates its stats explicitly."""
 
     def __init__(self) -> None:
         super().__init__()
         self.masks: list[MaskSpec] = []
 
     def dropout(self, x, p):
-        spec = MaskSpec(tuple(x.shape), x.dtype, p)
-        self.masks.append(spec)
-        return x * spec.draw(x.device) * (1.0 / (1.0 - p)) if p < 1.0 else x * 0.0
-
-
-class ExportSemantics(_Base):
-    """Trace pass: dropout reads its mask from graph inputs; BatchNorm updates its stats explicitly."""
-
-    def __init__(self, masks: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.masks = masks
-        self.used = 0
-
-    def dropout(self, x, p):
-        if self.used >= len(self.masks):
-            raise RuntimeError(
-                "the forward drew more dropout masks than when it was first run; data-dependent "
-                "control flow around dropout is not supported"
-            )
-        mask = self.masks[self.used]
-        self.used += 1
         if p >= 1.0:
             return x * 0.0
-        return x * mask * (1.0 / (1.0 - p))
+        k = len(self.masks)
+        self.masks.append(MaskSpec(tuple(int(d) for d in x.shape), x.dtype, p))
+        return x * torch.ops.ortmodule.dropout_mask(x, p, k) * (1.0 / (1.0 - p))
 
     def _batch_norm(self, func, args, kwargs):
         names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")

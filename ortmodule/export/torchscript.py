@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
-from .semantics import DiscoverMasks, ExportSemantics, MaskSpec
+from .semantics import ExportSemantics, MaskSpec, define_mask_op, masks_to_inputs
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -87,12 +87,11 @@ class _Flat(nn.Module):
         self.output_spec: OutputSpec | None = None
         self.num_user_outputs = 0
         self.mutated: tuple[int, ...] = ()
-        self.discovery: DiscoverMasks | None = None
+        self.semantics: ExportSemantics | None = None
 
     def forward(self, *tensors: torch.Tensor):
-        n_in, n_p, n_b = len(self.flat.tensors), len(self.param_names), len(self.buffer_names)
-        user, params = tensors[:n_in], tensors[n_in : n_in + n_p]
-        buffers, masks = tensors[n_in + n_p : n_in + n_p + n_b], tensors[n_in + n_p + n_b :]
+        n_in, n_p = len(self.flat.tensors), len(self.param_names)
+        user, params, buffers = tensors[:n_in], tensors[n_in : n_in + n_p], tensors[n_in + n_p :]
         # Buffers are cloned so that in-place updates (running stats, counters) land on a graph
         # value we can return, and the module's own buffers stay untouched by the trace.
         clones = [b.clone() for b in buffers]
@@ -101,8 +100,8 @@ class _Flat(nn.Module):
         swap.update({n: b for names, b in zip(self.buffer_names, clones) for n in names})
         args, kwargs = self.flat.rebuild(user)
         module = getattr(self, WRAPPER_ATTR)
-        mode = self.discovery or ExportSemantics(list(masks))
-        with swap_tensors(module, swap), mode:
+        self.semantics = ExportSemantics()
+        with swap_tensors(module, swap), self.semantics:
             out = module(*args, **kwargs)
         outs, self.output_spec = flatten_outputs(out)
         self.num_user_outputs = len(outs)
@@ -123,14 +122,9 @@ def export_module(
     """Trace ``module`` on ``flat`` to an ONNX forward graph in the module's current train/eval mode."""
     wrapper = _Flat(module, flat, param_names, buffer_names)
     inputs = tuple(flat.tensors) + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
-    masks: tuple[MaskSpec, ...] = ()
-    if any(m.training for m in module.modules()):
-        masks = _discover_masks(wrapper, inputs)
-    device = inputs[0].device if inputs else torch.device("cpu")
-    inputs += tuple(torch.ones(spec.shape, dtype=spec.dtype, device=device) for spec in masks)
     names = [input_name(i) for i in range(len(flat.tensors))]
     names += [n[0] for n in param_names] + [n[0] for n in buffer_names]
-    names += [mask_name(i) for i in range(len(masks))]
+    define_mask_op()
     buf = io.BytesIO()
     try:
         with warnings.catch_warnings():
@@ -154,6 +148,8 @@ def export_module(
     if wrapper.output_spec is None:
         raise ExportError(f"{type(module).__name__}.forward was not traced")
     model = onnx.load_from_string(buf.getvalue())
+    masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
+    masks_to_inputs(model, list(masks), mask_name)
     for node in model.graph.node:
         path = module_path_from_scope(node.name, WRAPPER_ATTR)
         if path is not None:
@@ -167,16 +163,3 @@ def export_module(
         opset=opset,
         masks=masks,
     )
-
-
-def _discover_masks(wrapper: _Flat, inputs: tuple) -> tuple[MaskSpec, ...]:
-    """One eager forward without grad that records the dropout masks drawn (NOTE [dropout masks])."""
-    wrapper.discovery = DiscoverMasks()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            wrapper(*inputs)
-        return tuple(wrapper.discovery.masks)
-    except Exception as exc:
-        raise ExportError(f"the forward failed when run eagerly: {type(exc).__name__}: {exc}") from exc
-    finally:
-        wrapper.discovery = None
