@@ -103,7 +103,7 @@ def build_gradient(
                 f"Gradient rule for '{node.op_type}' returned {len(results)} gradients for "
                 f"{len(node.inputs)} inputs ({node_location(node)})"
             )
-        for inp, r in zip(node.inputs, results):
+        for inp, r in zip(node.inputs, results, strict=True):
             if r is None or inp is None or inp not in active:
                 continue
             # NOTE [grad type]: the gradient of x has x's dtype and shape; record it so later rules

@@ -107,7 +107,7 @@ class GradBuilder:
         domain: str = "",
         num_outputs: int = 1,
     ) -> Sequence[ir.Value]:
-        attrs = [] if not attributes else [ir.convenience.convert_attribute(k, v) for k, v in attributes.items()]
+        attrs = [ir.convenience.convert_attribute(k, v) for k, v in (attributes or {}).items()]
         self._count += 1
         base = self._node.name if self._node is not None and self._node.name else "grad"
         node = ir.Node(
@@ -222,13 +222,27 @@ class GradBuilder:
         return out
 
     def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return self.op("Add", [a, b], dtype=a.dtype, shape=a.shape)
+        return self.op("Add", [a, b], dtype=a.dtype, shape=_broadcast_shape(a, b))
 
     def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.op("Mul", [a, b], dtype=a.dtype)
 
     def neg(self, a: ir.Value) -> ir.Value:
         return self.op("Neg", [a], dtype=a.dtype, shape=a.shape)
+
+
+def _broadcast_shape(a: ir.Value, b: ir.Value) -> ir.Shape | None:
+    """The shape of ``a op b`` where it is obvious (equal shapes, or one side 0-d); else unknown.
+
+    Annotating ``a.shape`` unconditionally was wrong for ``scalar + tensor`` (ORT warns and falls back).
+    """
+    if a.shape is None or b.shape is None:
+        return None
+    if a.shape == b.shape or b.shape.rank() == 0:
+        return a.shape
+    if a.shape.rank() == 0:
+        return b.shape
+    return None
 
 
 def static_shape(x: ir.Value) -> list[int] | None:

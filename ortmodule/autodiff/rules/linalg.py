@@ -34,6 +34,8 @@ def gemm_grad(g: GradBuilder, node: ir.Node, dys):
     if c is not None:
         dc = dy if beta == 1.0 else g.mul(dy, g.scalar_like(beta, dy))
         grads.append(g.reduce_to(dc, c, y.shape))
+    elif len(node.inputs) > 2:  # C given as "": still one entry per node input
+        grads.append(None)
     return grads
 
 

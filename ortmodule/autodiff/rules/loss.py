@@ -47,7 +47,8 @@ def _per_sample_coefficient(g: GradBuilder, node: ir.Node, scores: ir.Value, lab
 
 
 def _one_hot(g: GradBuilder, safe_labels: ir.Value, scores: ir.Value) -> ir.Value:
-    depth = g.op("Gather", [g.shape_of(scores), g.ints([1])], {"axis": 0})
+    # A 0-d depth: the spec also allows shape [1], but not every runtime does (onnx.reference).
+    depth = g.op("Gather", [g.shape_of(scores), g.const(1)], {"axis": 0}, dtype=ir.DataType.INT64)
     values = g.const([0.0, 1.0], scores.dtype)
     return g.op("OneHot", [safe_labels, depth, values], {"axis": 1}, dtype=scores.dtype)
 
