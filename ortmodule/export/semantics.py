@@ -185,15 +185,20 @@ class ExportSemantics(_Base):
         b.update(zip(names, args))
         b.update(kwargs)
         x, rm, rv = b["input"], b["running_mean"], b["running_var"]
-        y = func(*args, **kwargs)
-        if b["training"] and rm is not None and rv is not None:
-            momentum = b["momentum"]
-            dims = [0] + list(range(2, x.dim()))
-            n = x.numel() // x.size(1)
-            with torch.no_grad():
-                xd = x.detach()
-                mean = xd.mean(dims)
-                var = xd.var(dims, unbiased=False) * (n / max(n - 1, 1))
-                rm.copy_(rm * (1.0 - momentum) + mean * momentum)
-                rv.copy_(rv * (1.0 - momentum) + var * momentum)
-        return y
+        if not (b["training"] and rm is not None and rv is not None):
+            return func(*args, **kwargs)
+        momentum = b["momentum"]
+        dims = [0] + list(range(2, x.dim()))
+        n = x.numel() // x.size(1)
+        with torch.no_grad():
+            xd = x.detach()
+            mean = xd.mean(dims)
+            var = xd.var(dims, unbiased=False)
+            # NOTE [no writes into inputs]: ORT's BatchNormalization may write its running-stat
+            # outputs in place into its running-stat inputs. In training mode Y does not read them,
+            # so the node gets these intermediates instead of the buffers, which are bound
+            # zero-copy to the module's storage and must only change through the outputs below.
+            stat_mean, stat_var = mean.clone(), var.clone()
+            rm.copy_(rm * (1.0 - momentum) + mean * momentum)
+            rv.copy_(rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum)
+        return func(x, stat_mean, stat_var, b["weight"], b["bias"], True, momentum, b["eps"])
