@@ -39,7 +39,27 @@ class FlatInputs:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def _register_dataclasses(tree: Any) -> None:
+    """Let pytree see inside user dataclasses (inputs or outputs holding tensors)."""
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            cls = type(x)
+            if cls not in pytree.SUPPORTED_NODES:
+                try:
+                    pytree.register_dataclass(cls)
+                except Exception:  # e.g. a dataclass with init=False fields: stays a leaf
+                    continue
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+
+
 def flatten_inputs(args: tuple, kwargs: dict) -> FlatInputs:
+    _register_dataclasses((args, kwargs))
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
     tensors = [leaves[i] for i in positions]
@@ -65,8 +85,14 @@ class InputSignature:
     inputs: tuple[TensorSpec, ...]
     params: tuple[TensorSpec, ...]
     buffers: tuple[TensorSpec, ...]
-    training: bool
+    names: tuple[str, ...]  # parameter then buffer names: a changed module layout re-exports
+    modes: tuple[bool, ...]  # train/eval flag of every submodule
+    autocast: tuple  # (enabled, dtype) per device type, see NOTE [autocast]
     grad_enabled: bool
+
+    @property
+    def training(self) -> bool:
+        return self.modes[0]
 
     def export_key(self) -> InputSignature:
         """The part that decides the forward graph: requires_grad and grad mode only change autodiff."""
@@ -84,7 +110,9 @@ def make_signature(
     flat: FlatInputs,
     params: Sequence[torch.Tensor],
     buffers: Sequence[torch.Tensor],
-    training: bool,
+    names: tuple[str, ...],
+    modes: tuple[bool, ...],
+    autocast: tuple = (),
 ) -> InputSignature:
     grad_enabled = torch.is_grad_enabled()
     return InputSignature(
@@ -93,7 +121,9 @@ def make_signature(
         inputs=tuple(TensorSpec.of(t, t.requires_grad and grad_enabled) for t in flat.tensors),
         params=tuple(TensorSpec.of(p, p.requires_grad and grad_enabled) for p in params),
         buffers=tuple(TensorSpec.of(b, False) for b in buffers),
-        training=training,
+        names=names,
+        modes=modes,
+        autocast=autocast,
         grad_enabled=grad_enabled,
     )
 
@@ -114,6 +144,7 @@ class OutputSpec:
 
 
 def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], OutputSpec]:
+    _register_dataclasses(out)
     leaves, spec = pytree.tree_flatten(out)
     positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
     template = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)

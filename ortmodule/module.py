@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import onnx
+import psutil
 import torch
 from torch import nn
 
+from .errors import ExportError, GradientRuleError, ORTModuleError
 from .export import export_module
 from .export.torchscript import input_name, mask_name
 from .function import ORTFunction
 from .io import flatten_inputs, make_signature
+from .options import DebugOptions, FallbackPolicy, Options, logger
 from .runtime.cache import LRUCache
 from .runtime.entry import CompiledEntry
+
+_CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, type(...))
+_FALLBACK = object()  # cache marker: this signature runs eagerly
 
 
 @dataclasses.dataclass
@@ -29,6 +39,18 @@ class Stats:
     session_create_s: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
+    fallbacks: int = 0
+    last_fallback_reason: str | None = None
+    peak_rss_mb: float = 0.0
+
+    @property
+    def reexports(self) -> int:
+        """Exports after the first one (a new signature, module layout or mode)."""
+        return max(self.exports - 1, 0)
+
+    def update_rss(self) -> None:
+        rss = psutil.Process().memory_info().rss / 2**20
+        self.peak_rss_mb = max(self.peak_rss_mb, rss)
 
 
 def _unique_with_names(named: Iterator[tuple[str, torch.Tensor]]):
@@ -55,16 +77,54 @@ class ORTModule(nn.Module):
     later calls with the same input signature reuse them. Parameters stay owned by ``module``.
     """
 
-    _own_attrs = frozenset({"_original_module", "_entries", "_exports", "_stats"})
+    _own_attrs = frozenset({"_original_module", "_entries", "_exports", "_stats", "_options", "_lock",
+                            "_warned"})
 
-    def __init__(self, module: nn.Module, *, cache_size: int = 8) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        fallback: str | FallbackPolicy | None = None,
+        cache_size: int | None = None,
+        debug: DebugOptions | None = None,
+    ) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ORTModule wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, ORTModule):
             raise TypeError("module is already an ORTModule")
         self._original_module = module
-        self._entries: LRUCache[CompiledEntry] = LRUCache(cache_size)
-        self._exports: LRUCache = LRUCache(cache_size)
+        self._options = Options.resolve(fallback, cache_size, debug)
+        self._init_runtime_state()
+
+    def _init_runtime_state(self) -> None:
+        self._entries: LRUCache = LRUCache(self._options.cache_size)
+        self._exports: LRUCache = LRUCache(self._options.cache_size)
         self._stats = Stats()
+        self._lock = threading.RLock()
+        self._warned: set[str] = set()
+
+    # NOTE [pickling]: sessions cannot be pickled or deep-copied; a copy keeps the module and the
+    # options and rebuilds its graphs on first use.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in ("_entries", "_exports", "_stats", "_lock", "_warned"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_runtime_state()
+
+    @property
+    def options(self) -> Options:
+        return self._options
+
+    def clear_cache(self) -> None:
+        """Drop every compiled entry: the next call re-exports."""
+        with self._lock:
+            self._entries.clear()
+            self._exports.clear()
 
     # -- the wrapped module, transparently ------------------------------------------------------
     @property
@@ -83,7 +143,8 @@ class ORTModule(nn.Module):
             return getattr(self._modules["_original_module"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ORTModule._own_attrs or "_original_module" not in self.__dict__.get("_modules", {}):
+        if name in ORTModule._own_attrs or "_original_module" not in self.__dict__.get("_modules", {}) \
+                or name in self.__dict__:
             super().__setattr__(name, value)
         else:
             setattr(self._modules["_original_module"], name, value)
@@ -100,27 +161,30 @@ class ORTModule(nn.Module):
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
-    def named_children(self):
-        return self.module.named_children()
-
-    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
-        return self.module.named_modules(memo, prefix, remove_duplicate)
-
     # -- the engine ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         flat = flatten_inputs(args, kwargs)
-        params, param_names = _unique_with_names(module.named_parameters(remove_duplicate=False))
-        buffers, buffer_names = _unique_with_names(module.named_buffers(remove_duplicate=False))
-        sig = make_signature(flat, params, buffers, module.training)
+        named_p = list(module.named_parameters(remove_duplicate=False))
+        named_b = list(module.named_buffers(remove_duplicate=False))
+        params, param_names = _unique_with_names(named_p)
+        buffers, buffer_names = _unique_with_names(named_b)
+        modes = tuple(m.training for m in module.modules())
+        sig = make_signature(
+            flat, params, buffers, tuple(n for n, _ in named_p + named_b), modes, _autocast_state()
+        )
         needs_grad = sig.grad_enabled and any(s.requires_grad for s in sig.inputs + sig.params)
-        entry = self._entries.get(sig)
-        if entry is None:
-            self._stats.cache_misses += 1
-            entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
-            self._entries.put(sig, entry)
-        else:
-            self._stats.cache_hits += 1
+        with self._lock:
+            entry = self._entries.get(sig)
+            if entry is None:
+                self._stats.cache_misses += 1
+                entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
+                                                  needs_grad)
+                self._entries.put(sig, entry)
+            else:
+                self._stats.cache_hits += 1
+        if entry is _FALLBACK:
+            return module(*args, **kwargs)
 
         exported = entry.exported
         names = tuple(
@@ -144,6 +208,33 @@ class ORTModule(nn.Module):
             outs = results[:n_user]
         return exported.output_spec.rebuild(outs)
 
+    def _compile_or_fallback(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad):
+        try:
+            bad = [type(x).__name__ for x in flat.template if not isinstance(x, _CONSTANT_TYPES)]
+            if bad:
+                raise ExportError(
+                    f"unsupported input type(s) {sorted(set(bad))}: inputs must be tensors, Python "
+                    "scalars/strings/None, or tuples, lists, dicts and dataclasses of them"
+                )
+            entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
+        except (ExportError, GradientRuleError) as exc:
+            if self._options.fallback is FallbackPolicy.RAISE:
+                raise
+            self._stats.fallbacks += 1
+            self._stats.last_fallback_reason = str(exc)
+            key = f"{type(exc).__name__}: {exc}"
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(
+                    f"ORTModule falls back to eager PyTorch for {type(self.module).__name__}: {key} "
+                    "(set fallback='raise' or ORTMODULE_FALLBACK=raise to make this an error)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return _FALLBACK
+        self._stats.update_rss()
+        return entry
+
     def _compile(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad) -> CompiledEntry:
         key = sig.export_key()
         exported = self._exports.get(key)
@@ -153,13 +244,40 @@ class ORTModule(nn.Module):
             self._stats.export_s += time.perf_counter() - t0
             self._stats.exports += 1
             self._exports.put(key, exported)
+            logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)
         device = _device_of(flat.tensors, params)
         requires_grad = None
         if needs_grad:
             requires_grad = {input_name(i): s.requires_grad for i, s in enumerate(sig.inputs)}
             requires_grad.update({n[0]: s.requires_grad for n, s in zip(param_names, sig.params)})
             self._stats.gradient_builds += 1
-        return CompiledEntry(exported, device, requires_grad, stats=self._stats)
+        entry = CompiledEntry(exported, device, requires_grad, stats=self._stats,
+                              profile_prefix=self._options.debug.profile_prefix)
+        self._save_graphs(entry)
+        return entry
+
+    def _save_graphs(self, entry: CompiledEntry) -> None:
+        folder = self._options.debug.save_onnx_dir
+        if not folder:
+            return
+        os.makedirs(folder, exist_ok=True)
+        n = self._stats.cache_misses
+        base = os.path.join(folder, f"{type(self.module).__name__}_{n}")
+        onnx.save(entry.exported.model, f"{base}_inference.onnx")
+        if entry.graphs is not None:
+            onnx.save(entry.graphs.forward, f"{base}_forward.onnx")
+            onnx.save(entry.graphs.backward, f"{base}_backward.onnx")
+        logger.info("saved graphs to %s_*.onnx", base)
+
+
+def _autocast_state() -> tuple:
+    """NOTE [autocast]: autocast changes the exported graph (casts, half-precision compute), so its
+    state is part of the signature; the export trace runs inside the caller's autocast context."""
+    state = []
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            state.append((dev, torch.get_autocast_dtype(dev)))
+    return tuple(state)
 
 
 def _device_of(inputs, params) -> torch.device:

@@ -88,6 +88,7 @@ class _Flat(nn.Module):
         self.num_user_outputs = 0
         self.mutated: tuple[int, ...] = ()
         self.semantics: ExportSemantics | None = None
+        self.forward_error: Exception | None = None
 
     def forward(self, *tensors: torch.Tensor):
         n_in, n_p = len(self.flat.tensors), len(self.param_names)
@@ -102,7 +103,11 @@ class _Flat(nn.Module):
         module = getattr(self, WRAPPER_ATTR)
         self.semantics = ExportSemantics()
         with swap_tensors(module, swap), self.semantics:
-            out = module(*args, **kwargs)
+            try:
+                out = module(*args, **kwargs)
+            except Exception as exc:
+                self.forward_error = exc
+                raise
         outs, self.output_spec = flatten_outputs(out)
         self.num_user_outputs = len(outs)
         self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i])
@@ -142,6 +147,10 @@ def export_module(
                 keep_initializers_as_inputs=False,
             )
     except Exception as exc:
+        if wrapper.forward_error is not None:
+            # NOTE [user errors]: the module's own forward raised (wrong shape, dtype, ...): that is
+            # the error eager PyTorch gives, so it is raised as is, never hidden by a fallback.
+            raise wrapper.forward_error from None
         raise ExportError(
             f"torch.onnx.export failed for {type(module).__name__}: {type(exc).__name__}: {exc}"
         ) from exc

@@ -23,8 +23,10 @@ class CompiledEntry:
         device: torch.device,
         requires_grad: dict[str, bool] | None,
         stats=None,
+        profile_prefix: str | None = None,
     ) -> None:
         self.exported = exported
+        self.profile_prefix = profile_prefix
         self.device = device
         self.stats = stats
         self.graphs: TrainingGraphs | None = None
@@ -39,7 +41,7 @@ class CompiledEntry:
 
     def _runner(self, model) -> GraphRunner:
         t0 = time.perf_counter()
-        runner = GraphRunner(model, self.device, make_session_options())
+        runner = GraphRunner(model, self.device, make_session_options(profile_prefix=self.profile_prefix))
         if self.stats is not None:
             self.stats.session_create_s += time.perf_counter() - t0
         return runner
