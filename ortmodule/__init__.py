@@ -8,10 +8,25 @@ Pipeline stages, in order:
   runtime    ORT sessions, zero-copy binding, compiled-entry cache
   function   the torch.autograd.Function seam
   module     ORTModule, the transparent wrapper
+  onnx_module OnnxModule: train an .onnx file with the same engine
 """
 
 from .errors import ExportError, GradientRuleError, ORTModuleError
+from .explain import Explanation, explain
 from .module import ORTModule, Stats
+from .onnx_module import OnnxModule
+from .options import DebugOptions, FallbackPolicy
 
-__all__ = ["ExportError", "GradientRuleError", "ORTModule", "ORTModuleError", "Stats"]
+__all__ = [
+    "DebugOptions",
+    "Explanation",
+    "ExportError",
+    "FallbackPolicy",
+    "GradientRuleError",
+    "OnnxModule",
+    "ORTModule",
+    "ORTModuleError",
+    "Stats",
+    "explain",
+]
 __version__ = "0.1.0"

@@ -135,17 +135,37 @@ class OutputSpec:
     spec: pytree.TreeSpec
     template: tuple  # every leaf; tensor positions hold None
     tensor_positions: tuple[int, ...]
+    # NOTE [output aliases]: per tensor leaf, where it comes from: ("graph", k) = graph output k,
+    # ("input", i) = user input i returned as is. A tensor returned twice is one graph output used
+    # twice, so the caller gets the same tensor object twice, as in eager PyTorch.
+    sources: tuple[tuple[str, int], ...] | None = None  # None: graph outputs in order
 
-    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+    def rebuild(self, graph_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] = ()) -> Any:
         leaves = list(self.template)
-        for pos, t in zip(self.tensor_positions, tensors):
-            leaves[pos] = t
+        sources = self.sources or tuple(("graph", k) for k in range(len(self.tensor_positions)))
+        for pos, (kind, k) in zip(self.tensor_positions, sources):
+            leaves[pos] = graph_outputs[k] if kind == "graph" else inputs[k]
         return pytree.tree_unflatten(leaves, self.spec)
 
 
-def flatten_outputs(out: Any) -> tuple[list[torch.Tensor], OutputSpec]:
+def flatten_outputs(out: Any, inputs: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], OutputSpec]:
+    """The unique tensors the graph must return, and how to rebuild ``out`` from them."""
     _register_dataclasses(out)
     leaves, spec = pytree.tree_flatten(out)
     positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
     template = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-    return [leaves[i] for i in positions], OutputSpec(spec, template, positions)
+    input_ids = {id(t): i for i, t in enumerate(inputs)}
+    unique: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
+    sources = []
+    for pos in positions:
+        t = leaves[pos]
+        if id(t) in input_ids:
+            sources.append(("input", input_ids[id(t)]))
+        elif id(t) in seen:
+            sources.append(("graph", seen[id(t)]))
+        else:
+            seen[id(t)] = len(unique)
+            sources.append(("graph", len(unique)))
+            unique.append(t)
+    return unique, OutputSpec(spec, template, positions, tuple(sources))

@@ -15,7 +15,7 @@ import psutil
 import torch
 from torch import nn
 
-from .errors import ExportError, GradientRuleError, ORTModuleError
+from .errors import ExportError, GradientRuleError
 from .export import export_module
 from .export.torchscript import input_name, mask_name
 from .function import ORTFunction
@@ -120,6 +120,15 @@ class ORTModule(nn.Module):
     def options(self) -> Options:
         return self._options
 
+    def end_profiling(self) -> list[str]:
+        """Stop ORT's profiler (``DebugOptions.profile_prefix``) on every session; the JSON files."""
+        files = []
+        with self._lock:
+            for entry in self._entries._data.values():
+                if entry is not _FALLBACK:
+                    files.extend(entry.end_profiling())
+        return files
+
     def clear_cache(self) -> None:
         """Drop every compiled entry: the next call re-exports."""
         with self._lock:
@@ -206,7 +215,7 @@ class ORTModule(nn.Module):
                 for buf, new in zip(mutated, results[n_user:]):
                     buf.copy_(new)
             outs = results[:n_user]
-        return exported.output_spec.rebuild(outs)
+        return exported.output_spec.rebuild(outs, flat.tensors)
 
     def _compile_or_fallback(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad):
         try:

@@ -108,7 +108,7 @@ class _Flat(nn.Module):
             except Exception as exc:
                 self.forward_error = exc
                 raise
-        outs, self.output_spec = flatten_outputs(out)
+        outs, self.output_spec = flatten_outputs(out, user)
         self.num_user_outputs = len(outs)
         self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i])
         return tuple(outs) + tuple(clones[i] for i in self.mutated)

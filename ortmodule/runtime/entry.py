@@ -65,3 +65,7 @@ class CompiledEntry:
             assert self.graphs is not None
             self._backward = self._runner(self.graphs.backward)
         return self._backward
+
+    def end_profiling(self) -> list[str]:
+        runners = (self._inference, self._forward, self._backward)
+        return [r.session.end_profiling() for r in runners if r is not None]
