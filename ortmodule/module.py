@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -249,7 +250,8 @@ class ORTModule(nn.Module):
         exported = self._exports.get(key)
         if exported is None:
             t0 = time.perf_counter()
-            exported = export_module(self.module, flat, params, param_names, buffers, buffer_names)
+            with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
+                exported = export_module(self.module, flat, params, param_names, buffers, buffer_names)
             self._stats.export_s += time.perf_counter() - t0
             self._stats.exports += 1
             self._exports.put(key, exported)
@@ -265,6 +267,24 @@ class ORTModule(nn.Module):
         self._save_graphs(entry)
         return entry
 
+    def _autocast_for_export(self, sig, device: torch.device):
+        """NOTE [autocast]: the trace runs in the caller's autocast context, so the graph gets its
+        casts and computes in half precision, except where the execution provider has no kernels:
+        onnxruntime's CPU provider has (almost) no bfloat16 kernels, so CPU bf16 autocast is turned
+        off for the export, with one warning, and the model computes in fp32."""
+        if device.type == "cpu" and ("cpu", torch.bfloat16) in sig.autocast:
+            if "autocast-bf16" not in self._warned:
+                self._warned.add("autocast-bf16")
+                warnings.warn(
+                    "ORTModule: onnxruntime's CPU provider has no bfloat16 kernels for MatMul/Gemm/Add/"
+                    "Softmax; under torch.autocast('cpu', dtype=torch.bfloat16) the model runs in float32 "
+                    "(use dtype=torch.float16 on CPU, or bf16 on CUDA)",
+                    UserWarning,
+                    stacklevel=5,
+                )
+            return torch.autocast("cpu", enabled=False)
+        return contextlib.nullcontext()
+
     def _save_graphs(self, entry: CompiledEntry) -> None:
         folder = self._options.debug.save_onnx_dir
         if not folder:
@@ -277,6 +297,16 @@ class ORTModule(nn.Module):
             onnx.save(entry.graphs.forward, f"{base}_forward.onnx")
             onnx.save(entry.graphs.backward, f"{base}_backward.onnx")
         logger.info("saved graphs to %s_*.onnx", base)
+
+    def export_onnx(self, path, *args: Any, dynamic_axes="auto", optimized_path=None, **kwargs: Any):
+        """Write the wrapped module's EVAL-mode forward on ``args``/``kwargs`` to ``path`` for
+        deployment with a plain ``onnxruntime.InferenceSession`` (weights as initializers; dynamic
+        batch/sequence axes by default). See :func:`ortmodule.export.inference.export_inference`."""
+        from .export.inference import export_inference
+
+        return export_inference(
+            self.module, path, args, kwargs, dynamic_axes=dynamic_axes, optimized_path=optimized_path
+        )
 
 
 def _autocast_state() -> tuple:
