@@ -1,3 +1,15 @@
 """Gradient rules, one file per op family. Importing this package registers them all."""
 
-from . import activation, conv, elementwise, linalg, loss, norm, pool, shape  # noqa: F401
+from . import (  # noqa: F401
+    activation,
+    activation_extra,
+    conv,
+    elementwise,
+    indexing,
+    linalg,
+    loss,
+    norm,
+    pool,
+    reduction,
+    shape,
+)
