@@ -1,0 +1,669 @@
+"""OnnxModule: train an ``.onnx`` file as an ``nn.Module`` with the same engine as ORTModule.
+
+The file's float initializers become ``nn.Parameter``s (or buffers, when frozen) and are fed to the
+graph as inputs, so every run binds their current storage; the gradient graph is built by our rule
+registry (``build_training_graphs``) exactly as for an exported torch module. ``save()`` writes the
+original graph back with the updated weights under their original names.
+
+Loading treats the file as untrusted: external-data locations are checked before any byte of external
+data is read, the model is checked by ``onnx.checker``, and every failure is an :class:`OnnxLoadError`
+raised before the module holds any state.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import keyword
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from onnx import external_data_helper, numpy_helper
+from torch import nn
+
+from .autodiff import differentiable_values
+from .autodiff.registry import lookup
+from .errors import GradientRuleError, ORTModuleError
+from .export import ExportedModel
+from .function import ORTFunction
+from .io import OutputSpec, flatten_outputs
+from .runtime.cache import LRUCache
+from .runtime.entry import CompiledEntry
+
+MIN_OPSET = 13  # older models are upgraded with onnx.version_converter
+UPGRADE_OPSET = 17
+_TWO_GB = 2**31 - 1
+
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+}
+_TORCH_TYPES = {
+    **_FLOAT_TYPES,
+    onnx.TensorProto.INT8: torch.int8,
+    onnx.TensorProto.UINT8: torch.uint8,
+    onnx.TensorProto.INT16: torch.int16,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+_ONNX_TYPES = {v: k for k, v in _TORCH_TYPES.items()}
+
+
+class OnnxLoadError(ORTModuleError, ValueError):
+    """The ONNX file is malformed, truncated, unsafe (external data outside its folder) or unsupported."""
+
+
+# -- loading an untrusted file ----------------------------------------------------------------------
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it (If/Loop/Scan bodies), recursively."""
+    yield graph
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _graphs(g)
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto of the model: initializers, sparse ones, and tensors in node attributes."""
+    node_lists = [g.node for g in _graphs(model.graph)] + [f.node for f in model.functions]
+    for g in _graphs(model.graph):
+        yield from g.initializer
+        for s in g.sparse_initializer:
+            yield s.values
+            yield s.indices
+    for nodes in node_lists:
+        for node in nodes:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    yield a.t
+                elif a.type == onnx.AttributeProto.TENSORS:
+                    yield from a.tensors
+                elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+                    yield a.sparse_tensor.values
+                    yield a.sparse_tensor.indices
+
+
+def _byte_size(t: onnx.TensorProto) -> int | None:
+    if t.data_type not in _TORCH_TYPES:
+        return None
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n * torch.empty((), dtype=_TORCH_TYPES[t.data_type]).element_size()
+
+
+def _check_external_data(model: onnx.ModelProto, base_dir: str | None) -> None:
+    """Refuse external-data references that leave ``base_dir`` or point at missing/short data.
+
+    # NOTE [external data is untrusted]: a model file chooses the paths onnx would read. We check
+    # every location ourselves before anything is read: relative, no ``..`` component, and the
+    # resolved path (symlinks followed) inside the model's folder; offset+length within the file.
+    """
+    root = os.path.realpath(base_dir) if base_dir is not None else None
+    for t in _all_tensors(model):
+        if not external_data_helper.uses_external_data(t):
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        what = f"tensor {t.name!r}: external data location {loc!r}"
+        if root is None:
+            raise OnnxLoadError(f"{what}: the model uses external data but no folder is known; pass base_dir=")
+        if not loc:
+            raise OnnxLoadError(f"{what}: empty location")
+        if os.path.isabs(loc) or loc.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", loc):
+            raise OnnxLoadError(f"{what} is an absolute path; only paths inside the model's folder are allowed")
+        if ".." in re.split(r"[\\/]", loc):
+            raise OnnxLoadError(f"{what} contains '..'; only paths inside the model's folder are allowed")
+        path = os.path.realpath(os.path.join(root, loc))
+        if os.path.commonpath([root, path]) != root:
+            raise OnnxLoadError(f"{what} resolves outside the model's folder (symlink?): {path}")
+        if not os.path.isfile(path):
+            raise OnnxLoadError(f"{what}: file not found")
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else None
+        except ValueError as exc:
+            raise OnnxLoadError(f"{what}: bad offset/length: {exc}") from None
+        size = os.path.getsize(path)
+        if offset < 0 or (length is not None and length < 0):
+            raise OnnxLoadError(f"{what}: negative offset or length")
+        available = size - offset if length is None else length
+        if offset + (length or 0) > size or available < 0:
+            raise OnnxLoadError(f"{what}: offset {offset} + length {length} is past the end of the file ({size} bytes)")
+        expected = _byte_size(t)
+        if expected is not None and available != expected:
+            raise OnnxLoadError(
+                f"{what}: holds {available} bytes, but a {onnx.TensorProto.DataType.Name(t.data_type)} "
+                f"tensor of shape {list(t.dims)} needs {expected} (truncated file?)"
+            )
+
+
+def _load(source: str | os.PathLike | onnx.ModelProto | bytes, base_dir: str | None) -> onnx.ModelProto:
+    """Parse, validate, load external data and upgrade the opset. Raises OnnxLoadError."""
+    if isinstance(source, onnx.ModelProto):
+        model = copy.deepcopy(source)  # never touch the caller's proto
+    else:
+        try:
+            if isinstance(source, bytes):
+                data = source
+            else:
+                path = Path(source)
+                if base_dir is None:
+                    base_dir = str(path.resolve().parent)
+                data = path.read_bytes()
+            model = onnx.load_model_from_string(data)
+        except OSError as exc:
+            raise OnnxLoadError(f"cannot read ONNX file {source!r}: {exc}") from exc
+        except Exception as exc:  # protobuf DecodeError and friends
+            raise OnnxLoadError(f"not a valid ONNX file ({type(exc).__name__}: {exc}); truncated or corrupt?") from exc
+    if not model.HasField("graph") or not model.opset_import:
+        raise OnnxLoadError("not a valid ONNX model: no graph or no opset_import (truncated or corrupt file?)")
+    _check_external_data(model, base_dir)
+    try:
+        onnx.checker.check_model(_without_external_data(model))
+    except Exception as exc:
+        raise OnnxLoadError(f"onnx.checker rejected the model: {exc}") from exc
+    if any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
+        try:
+            external_data_helper.load_external_data_for_model(model, base_dir)
+        except Exception as exc:
+            raise OnnxLoadError(f"cannot load external data: {exc}") from exc
+    opset = _default_opset(model)
+    if opset < MIN_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, UPGRADE_OPSET)
+            onnx.checker.check_model(model)
+        except Exception as exc:
+            raise OnnxLoadError(
+                f"the model uses opset {opset}; ortmodule needs opset {MIN_OPSET} or later and "
+                f"onnx.version_converter could not upgrade it to {UPGRADE_OPSET}: {exc}"
+            ) from exc
+    return model
+
+
+def _without_external_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy for onnx.checker, external tensors replaced by empty placeholders.
+
+    The checker would look for external files relative to the working directory (it has no folder
+    for a proto), and a model with its data loaded may exceed protobuf's 2 GB; the external data
+    itself was validated by :func:`_check_external_data`.
+    """
+    if not any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
+        return model
+    stub = copy.deepcopy(model)
+    for t in _all_tensors(stub):
+        if external_data_helper.uses_external_data(t):
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.dims[:]
+            t.dims.append(0)
+    return stub
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    raise OnnxLoadError("the model imports no version of the default ONNX domain")
+
+
+def _to_torch(t: onnx.TensorProto) -> torch.Tensor:
+    try:
+        arr = numpy_helper.to_array(t)
+    except Exception as exc:
+        raise OnnxLoadError(f"initializer {t.name!r} is malformed: {exc}") from exc
+    if t.data_type == onnx.TensorProto.BFLOAT16:
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+def _to_proto(t: torch.Tensor, name: str) -> onnx.TensorProto:
+    t = t.detach().to("cpu").contiguous()
+    proto = onnx.TensorProto(name=name, data_type=_ONNX_TYPES[t.dtype], dims=list(t.shape))
+    proto.raw_data = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # little-endian, as ONNX wants
+    return proto
+
+
+# -- turning the file into a training graph --------------------------------------------------------
+def _tensor_elem_type(vi: onnx.ValueInfoProto) -> int | None:
+    return vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else None
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Outer-scope names read by the subgraphs of ``node`` (conservatively: every input name)."""
+    names: set[str] = set()
+    for a in node.attribute:
+        subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+        for g in subs:
+            for sg in _graphs(g):
+                for n in sg.node:
+                    names.update(n.input)
+    return names
+
+
+def _prune(graph: onnx.GraphProto, outputs: Iterable[str]) -> None:
+    """Drop the nodes that no output in ``outputs`` needs (e.g. a ZipMap behind a dropped output)."""
+    live = set(outputs)
+    keep = []
+    for node in reversed(graph.node):
+        if any(o in live for o in node.output):
+            keep.append(node)
+            live.update(i for i in node.input if i)
+            live.update(_subgraph_reads(node))
+    keep.reverse()
+    del graph.node[:]
+    graph.node.extend(keep)
+
+
+def _missing_rules(model: onnx.ModelProto, trainable: Sequence[str], outputs: Sequence[str]) -> list[str]:
+    """Ops between a trainable initializer and a differentiated output that have no gradient rule.
+
+    Mirrors the backward walk of ``build_gradient``: an op only needs a rule when a gradient reaches
+    one of its outputs and one of its inputs depends on a trainable value.
+    """
+    graph = ir.from_proto(model).graph
+    by_name = {v.name: v for v in graph.inputs}
+    wrt = [by_name[n] for n in trainable if n in by_name]
+    active = differentiable_values(graph, wrt)
+    outs = {v.name: v for v in graph.outputs}
+    needed = {outs[n] for n in outputs if outs[n] in active}
+    problems = []
+    for node in reversed(list(graph)):
+        if not any(o in needed for o in node.outputs):
+            continue
+        ins = [v for v in node.inputs if v is not None and v in active]
+        if not ins:
+            continue
+        info = lookup(node.domain, node.op_type)
+        if info is None:
+            sources = sorted(_trainable_sources(node, set(wrt)))
+            op = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+            shown = ", ".join(repr(s) for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
+            problems.append(f"op '{op}' (node '{node.name}') is reached from trainable {shown}")
+        elif info.fn is not None:
+            needed.update(ins)
+    return problems
+
+
+def _trainable_sources(node: ir.Node, wrt: set[ir.Value]) -> set[str]:
+    seen: set[ir.Value] = set()
+    stack = [v for v in node.inputs if v is not None]
+    found = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in wrt:
+            found.add(v.name)
+        p = v.producer()
+        if p is not None:
+            stack.extend(x for x in p.inputs if x is not None)
+    return found
+
+
+def _safe_name(name: str, taken: set[str]) -> str:
+    """A Python identifier for ``name`` (``fc1.weight`` -> ``fc1_weight``), unique within ``taken``."""
+    s = re.sub(r"\W", "_", name, flags=re.ASCII) or "tensor"
+    if s[0].isdigit() or keyword.iskeyword(s):
+        s = "t_" + s
+    candidate, i = s, 1
+    while candidate in taken or hasattr(nn.Module, candidate) or candidate.startswith("__"):
+        candidate = f"{s}_{i}"
+        i += 1
+    taken.add(candidate)
+    return candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class _EntryKey:
+    """What changes the compiled graphs of an OnnxModule (STYLE.md §7). Shapes do not: the graph is
+    the file's, with the file's own (possibly symbolic) dims, so one entry serves every batch size."""
+
+    device: torch.device
+    needs_grad: bool
+    inputs_requires_grad: tuple[bool, ...]
+    tensors_requires_grad: tuple[bool, ...]
+
+
+class OnnxModule(nn.Module):
+    """An ONNX model as a trainable ``nn.Module``; forward runs in ORT, backward is our gradient graph.
+
+    Args:
+        model: path of an ``.onnx`` file, its bytes, or an ``onnx.ModelProto`` (copied, never modified).
+        trainable: which float initializers become ``nn.Parameter``s: ``None`` (all), a list of ONNX
+            names, or a predicate ``onnx_name -> bool``. The other float initializers become buffers.
+            Non-float initializers stay graph constants (also listed as buffers, read-only).
+        outputs: the graph outputs to return (ONNX names), default every tensor output.
+        output_format: ``"auto"`` (one tensor, or a tuple), ``"tuple"`` or ``"dict"`` (by output name).
+        base_dir: folder of the external data, for a ``ModelProto`` or bytes that reference any.
+
+    Names: an initializer is stored under a Python-safe attribute name (``fc1.weight`` ->
+    ``fc1_weight``); ``state_dict()`` is keyed by these attribute names, :attr:`onnx_names` maps them to
+    the ONNX names, and :meth:`onnx_state_dict` gives the tensors keyed by ONNX name.
+    Forward takes the graph inputs (non-initializer) in order, or by name as keyword arguments.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
+        trainable: Sequence[str] | Callable[[str], bool] | None = None,
+        *,
+        outputs: Sequence[str] | None = None,
+        output_format: str = "auto",
+        base_dir: str | os.PathLike | None = None,
+        cache_size: int = 8,
+    ) -> None:
+        super().__init__()
+        if output_format not in ("auto", "tuple", "dict"):
+            raise ValueError(f"output_format must be 'auto', 'tuple' or 'dict', not {output_format!r}")
+        # Everything is built in locals first: a failure leaves no half-made module behind.
+        proto = _load(model, None if base_dir is None else str(base_dir))
+        graph = proto.graph
+        init_names = {t.name for t in graph.initializer}
+        float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
+        trainable_set = _select_trainable(float_inits, trainable)
+        tensors = {t.name: _to_torch(t) for t in graph.initializer}
+
+        data_inputs = [vi for vi in graph.input if vi.name not in init_names]
+        for vi in data_inputs:
+            if _tensor_elem_type(vi) is None:
+                raise OnnxLoadError(f"graph input {vi.name!r} is not a tensor; only tensor inputs are supported")
+        tensor_outputs = [vi.name for vi in graph.output if _tensor_elem_type(vi) is not None]
+        other_outputs = [vi.name for vi in graph.output if _tensor_elem_type(vi) is None]
+        if outputs is None:
+            selected = tensor_outputs
+            if other_outputs:
+                warnings.warn(
+                    f"OnnxModule: dropping non-tensor outputs {other_outputs} (sequences/maps, e.g. "
+                    "scikit-learn's ZipMap); only tensor outputs are supported. For skl2onnx, convert "
+                    "with options={id(model): {'zipmap': False}} to get probabilities as a tensor.",
+                    stacklevel=2,
+                )
+        else:
+            selected = list(outputs)
+            all_names = {vi.name for vi in graph.output}
+            for name in selected:
+                if name in other_outputs:
+                    raise OnnxLoadError(
+                        f"output {name!r} is not a tensor (a sequence or map, e.g. scikit-learn's ZipMap); "
+                        "only tensor outputs are supported"
+                    )
+                if name not in all_names:
+                    raise ValueError(f"no graph output named {name!r}; outputs: {sorted(all_names)}")
+        if not selected:
+            raise OnnxLoadError("the model has no tensor outputs")
+
+        # Template for to_onnx(): the graph as loaded, float initializers emptied (torch owns them).
+        template = proto
+        owned = float_inits  # fed as graph inputs: parameters and frozen float buffers
+        for t in template.graph.initializer:
+            if t.data_type in _FLOAT_TYPES:
+                t.ClearField("raw_data")
+                for f in ("float_data", "double_data", "int32_data"):
+                    t.ClearField(f)
+
+        exported = _training_model(template, owned, data_inputs, selected, output_format)
+        problems = _missing_rules(exported.model, sorted(trainable_set), selected)
+        if problems:
+            raise GradientRuleError(
+                "No gradient rule for ops on the path from trainable initializers to the outputs: "
+                + "; ".join(problems)
+                + ". Freeze the initializers before them (trainable=...), select other outputs "
+                "(outputs=...), or register a rule in ortmodule/autodiff/rules/."
+            )
+
+        # -- from here on nothing raises: register the state --------------------------------------
+        self._template = template
+        self._exported = exported
+        self._input_names = [vi.name for vi in data_inputs]
+        self._input_types = {vi.name: vi.type.tensor_type for vi in data_inputs}
+        self._output_names = selected
+        self._output_kind = _output_kind(output_format, selected)
+        self._entries: LRUCache[CompiledEntry] = LRUCache(cache_size)
+        self.onnx_names: dict[str, str] = {}  # attribute name -> ONNX name
+        self.attr_names: dict[str, str] = {}  # ONNX name -> attribute name
+        taken = set(self.__dict__)
+        self._owned_attrs: list[str] = []
+        for t in graph.initializer:
+            attr = _safe_name(t.name, taken)
+            self.onnx_names[attr] = t.name
+            self.attr_names[t.name] = attr
+            value = tensors[t.name]
+            if t.name in trainable_set:
+                self.register_parameter(attr, nn.Parameter(value))
+            else:
+                self.register_buffer(attr, value)
+            if t.name in owned:
+                self._owned_attrs.append(attr)
+        self._feed_names = tuple(self._input_names + [self.onnx_names[a] for a in self._owned_attrs])
+        if not float_inits:
+            warnings.warn(
+                "OnnxModule: the model has no trainable float initializers (weights stored as node "
+                "attributes, e.g. ai.onnx.ml LinearClassifier/TreeEnsemble, cannot be trained)",
+                stacklevel=2,
+            )
+
+    # -- names -----------------------------------------------------------------------------------
+    @property
+    def input_names(self) -> list[str]:
+        return list(self._input_names)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self._output_names)
+
+    def onnx_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every initializer's current value (detached), keyed by its ONNX name."""
+        return {self.onnx_names[a]: t.detach() for a, t in self._named_initializers()}
+
+    def _named_initializers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for attr in self.onnx_names:
+            t = self._parameters.get(attr)
+            yield attr, (t if t is not None else self._buffers[attr])
+
+    def _owned_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for attr in self._owned_attrs:
+            t = self._parameters.get(attr)
+            out.append(t if t is not None else self._buffers[attr])
+        return out
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        names = self._input_names
+        if len(args) > len(names):
+            raise TypeError(f"OnnxModule takes {len(names)} inputs {names}, got {len(args)} positional")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise TypeError(f"OnnxModule got an unexpected input {k!r}; inputs: {names}")
+            if k in bound:
+                raise TypeError(f"OnnxModule got input {k!r} both by position and by name")
+            bound[k] = v
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise TypeError(f"OnnxModule missing input(s) {missing}; inputs: {names}")
+        out = []
+        for name in names:
+            x = bound[name]
+            if isinstance(x, np.ndarray):
+                x = torch.from_numpy(x)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {name!r} must be a tensor, not {type(x).__name__}")
+            tt = self._input_types[name]
+            want = _TORCH_TYPES.get(tt.elem_type)
+            if want is not None and x.dtype != want:
+                raise TypeError(f"input {name!r} must have dtype {want}, got {x.dtype}")
+            if tt.HasField("shape"):
+                dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+                ok = len(dims) == x.dim() and all(d is None or d == s for d, s in zip(dims, x.shape))
+                if not ok:
+                    shown = [d if d is not None else "?" for d in dims]
+                    raise ValueError(f"input {name!r} must have shape {shown}, got {list(x.shape)}")
+            out.append(x)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = self._bind(args, kwargs)
+        owned = self._owned_tensors()
+        device = owned[0].device if owned else (inputs[0].device if inputs else torch.device("cpu"))
+        for name, x in zip(self._input_names, inputs):
+            if x.device != device:
+                raise RuntimeError(f"input {name!r} is on {x.device}, the model's tensors on {device}")
+        grad = torch.is_grad_enabled()
+        in_rg = tuple(grad and x.requires_grad for x in inputs)
+        t_rg = tuple(grad and t.requires_grad for t in owned)
+        needs_grad = any(in_rg) or any(t_rg)
+        key = _EntryKey(device, needs_grad, in_rg if needs_grad else (), t_rg if needs_grad else ())
+        entry = self._entries.get(key)
+        if entry is None:
+            requires_grad = None
+            if needs_grad:
+                requires_grad = dict(zip(self._feed_names, in_rg + t_rg))
+            entry = CompiledEntry(self._exported, device, requires_grad)
+            self._entries.put(key, entry)
+        tensors = [*inputs, *owned]
+        if needs_grad:
+            outs = ORTFunction.apply(entry, self._feed_names, (), *tensors)
+        else:
+            outs = entry.inference.run(dict(zip(self._feed_names, tensors)))
+        if self._output_kind == "dict":
+            return dict(zip(self._output_names, outs))
+        return outs[0] if self._output_kind == "single" else tuple(outs)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_entries"] = LRUCache(self._entries.maxsize)  # ORT sessions are rebuilt on demand
+        # a pytree spec does not pickle cleanly; it is rebuilt from _output_kind
+        state["_exported"] = dataclasses.replace(self._exported, output_spec=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        spec = _output_spec(state["_output_kind"], state["_output_names"])
+        state["_exported"] = dataclasses.replace(state["_exported"], output_spec=spec)
+        self.__dict__.update(state)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def to_onnx(self) -> onnx.ModelProto:
+        """The loaded graph with the current weights as initializers, under their original names."""
+        model = copy.deepcopy(self._template)
+        current = self.onnx_state_dict()
+        owned = {self.onnx_names[a] for a in self._owned_attrs}
+        inits = [(_to_proto(current[t.name], t.name) if t.name in owned else t) for t in model.graph.initializer]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(inits)
+        return model
+
+    def save(self, path: str | os.PathLike, external_data: bool = False) -> None:
+        """Write :meth:`to_onnx` to ``path``; tensors go to ``<name>.data`` beside it with
+        ``external_data=True`` (forced, with a warning, when the model exceeds protobuf's 2 GB)."""
+        model = self.to_onnx()
+        path = Path(path)
+        size = sum(t.ByteSize() for t in model.graph.initializer)
+        if not external_data and size > _TWO_GB - 64 * 2**20:
+            warnings.warn("OnnxModule.save: model exceeds 2 GB, saving weights as external data", stacklevel=2)
+            external_data = True
+        if external_data:
+            location = path.name + ".data"
+            data = path.parent / location
+            if data.exists():
+                data.unlink()  # onnx appends to an existing file
+            onnx.save_model(
+                model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                location=location, size_threshold=1024,
+            )
+        else:
+            onnx.save_model(model, str(path))
+
+
+def _select_trainable(float_inits: list[str], trainable) -> set[str]:
+    if trainable is None:
+        return set(float_inits)
+    if callable(trainable):
+        return {n for n in float_inits if trainable(n)}
+    if isinstance(trainable, str):
+        trainable = [trainable]
+    chosen = set(trainable)
+    unknown = chosen - set(float_inits)
+    if unknown:
+        raise ValueError(
+            f"trainable names {sorted(unknown)} are not float initializers of the model; "
+            f"float initializers: {float_inits[:20]}{' ...' if len(float_inits) > 20 else ''}"
+        )
+    return chosen
+
+
+def _output_kind(output_format: str, outputs: Sequence[str]) -> str:
+    if output_format == "auto":
+        return "single" if len(outputs) == 1 else "tuple"
+    return output_format
+
+
+def _output_spec(kind: str, outputs: Sequence[str]) -> OutputSpec:
+    """The engine's OutputSpec for the chosen output structure (a tensor, a tuple, a dict by name)."""
+    example: Any = torch.empty(0)
+    if kind == "dict":
+        example = {n: torch.empty(0) for n in outputs}
+    elif kind == "tuple":
+        example = tuple(torch.empty(0) for _ in outputs)
+    return flatten_outputs(example)[1]
+
+
+def _training_model(
+    template: onnx.ModelProto,
+    owned: Sequence[str],
+    data_inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[str],
+    output_format: str,
+) -> ExportedModel:
+    """The forward graph in the engine's convention: inputs = data inputs then the owned initializers
+    (bound to torch tensors each run), outputs = the selected tensor outputs."""
+    model = onnx.ModelProto()
+    model.CopyFrom(template)
+    if model.functions:
+        try:
+            model = onnx.inliner.inline_local_functions(model)
+        except Exception as exc:
+            raise OnnxLoadError(f"cannot inline the model's local functions: {exc}") from exc
+    g = model.graph
+    owned_set = set(owned)
+    by_name = {t.name: t for t in g.initializer}
+    kept_inits = [t for t in g.initializer if t.name not in owned_set]
+    del g.initializer[:]
+    g.initializer.extend(kept_inits)
+    del g.input[:]
+    g.input.extend(data_inputs)
+    for name in owned:
+        t = by_name[name]
+        g.input.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    out_vis = {vi.name: vi for vi in g.output}
+    del g.output[:]
+    g.output.extend(out_vis[n] for n in outputs)
+    _prune(g, outputs)
+    del g.value_info[:]
+    try:
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:
+        raise OnnxLoadError(f"ONNX shape inference failed: {exc}") from exc
+    return ExportedModel(
+        model=model,
+        output_spec=_output_spec(_output_kind(output_format, outputs), outputs),
+        num_user_outputs=len(outputs),
+        mutated_buffers=(),
+        opset=_default_opset(model),
+    )

@@ -1,0 +1,471 @@
+"""OnnxModule: train ONNX files (scikit-learn via skl2onnx, torch.onnx.export) and save them back."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from ortmodule import GradientRuleError, OnnxModule
+from ortmodule.onnx_module import OnnxLoadError
+from tests.helpers import assert_close
+
+RTOL = 1e-4
+
+
+# -- model files -------------------------------------------------------------------------------------
+def _export(model: nn.Module, x: torch.Tensor, dynamic_batch: bool = True, opset: int = 17) -> onnx.ModelProto:
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, (x,), buf, dynamo=False, export_params=True, opset_version=opset,
+            input_names=["x"], output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}} if dynamic_batch else None,
+        )
+    return onnx.load_from_string(buf.getvalue())
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3)
+        self.fc = nn.Linear(8 * 2 * 2, 4)
+
+    def forward(self, x):
+        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.relu(self.conv2(x))
+        return self.fc(torch.flatten(x, 1))
+
+
+def _param(om: OnnxModule, onnx_name: str) -> torch.Tensor:
+    return getattr(om, om.attr_names[onnx_name])
+
+
+def _ort_run(model: onnx.ModelProto | str, **feeds: np.ndarray) -> list[np.ndarray]:
+    src = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _linear_model(opset: int = 17, op: str | None = None) -> onnx.ModelProto:
+    """y = op(x) @ W + b, with a float W ('lin.weight') and b ('lin.bias')."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "lin.weight")
+    b = numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "lin.bias")
+    nodes, src = [], "x"
+    if op is not None:
+        nodes.append(helper.make_node(op, ["x"], ["pre"], name="pre_op"))
+        src = "pre"
+    nodes += [
+        helper.make_node("MatMul", [src, "lin.weight"], ["mm"], name="matmul"),
+        helper.make_node("Add", ["mm", "lin.bias"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "lin", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w, b],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _train_pair(model: nn.Module, x, y, loss_fn, steps=4, trainable=None, onnx_model=None):
+    """AdamW steps on eager ``model`` and on OnnxModule(file of model); return both."""
+    eager = copy.deepcopy(model)
+    om = OnnxModule(onnx_model if onnx_model is not None else _export(model, x[:2]), trainable)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_o = torch.optim.AdamW(om.parameters(), lr=1e-2)
+    for step in range(steps):
+        for m, opt in ((eager, opt_e), (om, opt_o)):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(m(x), y).backward()
+            opt.step()
+        for name, pe in eager.named_parameters():
+            assert_close(_param(om, name), pe, RTOL, f"{name} after step {step}")
+    return eager, om
+
+
+# -- PyTorch files: parity with eager training ---------------------------------------------------------
+def test_torch_mlp_file_trains_like_eager(tmp_path):
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(32, 16), torch.randint(0, 5, (32,))
+    eager, om = _train_pair(model, x, y, nn.functional.cross_entropy)
+    assert sorted(om.onnx_state_dict()) == sorted(n for n, _ in model.named_parameters())
+    # save() / reload: a plain InferenceSession computes what the trained OnnxModule computes
+    path = tmp_path / "mlp.onnx"
+    om.save(path)
+    (got,) = _ort_run(str(path), x=x.numpy())
+    with torch.no_grad():
+        assert_close(torch.from_numpy(got), om.eval()(x), 1e-6, "reloaded output")
+        assert_close(torch.from_numpy(got), eager(x), RTOL, "reloaded vs eager")
+    reloaded = OnnxModule(path)
+    for name, t in om.onnx_state_dict().items():
+        assert torch.equal(reloaded.onnx_state_dict()[name], t), name
+
+
+def test_torch_cnn_file_trains_like_eager(tmp_path):
+    torch.manual_seed(0)
+    model, x, y = CNN(), torch.randn(8, 1, 8, 8), torch.randint(0, 4, (8,))
+    eager, om = _train_pair(model, x, y, nn.functional.cross_entropy)
+    om.save(tmp_path / "cnn.onnx")
+    (got,) = _ort_run(str(tmp_path / "cnn.onnx"), x=x.numpy())
+    with torch.no_grad():
+        assert_close(torch.from_numpy(got), eager(x), RTOL, "reloaded CNN output vs eager")
+
+
+def test_dynamic_batch_one_entry():
+    torch.manual_seed(0)
+    model = MLP()
+    om = OnnxModule(_export(model, torch.randn(2, 16)))
+    for n in (8, 5, 1):
+        x = torch.randn(n, 16)
+        out = om(x)
+        out.sum().backward()
+        assert out.shape == (n, 5)
+        with torch.no_grad():
+            assert_close(out, model(x), 1e-5, f"batch {n}")
+    assert len(om._entries) == 1
+    with torch.no_grad():
+        om(torch.randn(3, 16))
+    assert len(om._entries) == 2  # the forward-only entry
+
+
+def test_static_batch_file_refuses_other_batch():
+    om = OnnxModule(_export(MLP(), torch.randn(4, 16), dynamic_batch=False))
+    om(torch.randn(4, 16))
+    with pytest.raises(ValueError, match="shape"):
+        om(torch.randn(3, 16))
+    with pytest.raises(TypeError, match="dtype"):
+        om(torch.randn(4, 16, dtype=torch.float64))
+
+
+def test_trainable_selection_freezes_the_rest():
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(16, 16), torch.randint(0, 5, (16,))
+    om = OnnxModule(_export(model, x[:2]), trainable=lambda n: n.startswith("out."))
+    assert sorted(om.onnx_names[n] for n, _ in om.named_parameters()) == ["out.bias", "out.weight"]
+    frozen = {n: t.clone() for n, t in om.onnx_state_dict().items() if not n.startswith("out.")}
+    opt = torch.optim.AdamW(om.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(om(x), y).backward()
+        opt.step()
+    for name, before in frozen.items():
+        t = _param(om, name)
+        assert torch.equal(t, before), name
+        assert t.grad is None
+    assert not torch.equal(_param(om, "out.weight"), model.out.weight)
+    # a list of ONNX names works too, and an unknown name is refused
+    om2 = OnnxModule(_export(model, x[:2]), trainable=["fc1.weight"])
+    assert [om2.onnx_names[n] for n, _ in om2.named_parameters()] == ["fc1.weight"]
+    with pytest.raises(ValueError, match="nope"):
+        OnnxModule(_export(model, x[:2]), trainable=["nope"])
+
+
+def test_frozen_by_requires_grad_later():
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(16, 16), torch.randint(0, 5, (16,))
+    om = OnnxModule(_export(model, x[:2]))
+    om.fc1_weight.requires_grad_(False)
+    nn.functional.cross_entropy(om(x), y).backward()
+    assert om.fc1_weight.grad is None and om.fc1_bias.grad is not None
+
+
+def test_input_gradient():
+    torch.manual_seed(0)
+    model = MLP()
+    om = OnnxModule(_export(model, torch.randn(2, 16)))
+    x = torch.randn(4, 16, requires_grad=True)
+    om(x).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    model(x2).square().sum().backward()
+    assert_close(x.grad, x2.grad, 1e-5, "input grad")
+
+
+def test_state_dict_round_trip_and_no_grad():
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 16)
+    om = OnnxModule(_export(model, x))
+    sd = om.state_dict()
+    assert "fc1_weight" in sd and om.onnx_names["fc1_weight"] == "fc1.weight"
+    other = OnnxModule(_export(MLP(), x))
+    other.load_state_dict(sd)
+    with torch.no_grad():
+        out = other(x)
+        assert not out.requires_grad
+        assert_close(out, model(x), 1e-5, "after load_state_dict")
+    torch.save(sd, io.BytesIO())  # checkpointable
+    clone = copy.deepcopy(om)  # after a run: the cached ORT sessions are not copied
+    buf = io.BytesIO()
+    torch.save(om, buf)
+    with torch.no_grad():
+        assert_close(clone(x), model(x), 1e-5, "deepcopy")
+        assert_close(torch.load(io.BytesIO(buf.getvalue()), weights_only=False)(x), model(x), 1e-5, "pickle")
+
+
+def test_opset_11_is_upgraded_and_old_opset_refused_when_conversion_fails(monkeypatch):
+    om = OnnxModule(_linear_model(opset=11))
+    x = torch.randn(5, 4)
+    out = om(x)
+    out.sum().backward()
+    assert om.lin_weight.grad is not None
+    assert om.to_onnx().opset_import[0].version >= 13
+
+    def fail(model, version):
+        raise RuntimeError("no adapter")
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", fail)
+    with pytest.raises(OnnxLoadError, match="opset 11.*no adapter"):
+        OnnxModule(_linear_model(opset=11))
+
+
+def test_kwargs_and_dict_outputs():
+    inp = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.ones((3,), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["a", "w"], ["prod"]), helper.make_node("Add", ["prod", "b"], ["sum"])],
+        "two", [inp("a", TensorProto.FLOAT, ["N", 3]), inp("b", TensorProto.FLOAT, ["N", 3])],
+        [inp("prod", TensorProto.FLOAT, ["N", 3]), inp("sum", TensorProto.FLOAT, ["N", 3])], [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    om = OnnxModule(model, output_format="dict")
+    out = om(a, b=b)
+    assert set(out) == {"prod", "sum"}
+    assert torch.allclose(out["sum"], a + b)
+    out["sum"].sum().backward()
+    assert torch.allclose(om.w.grad, a.sum(0))
+    prod, total = OnnxModule(model)(b=b, a=a)
+    assert torch.allclose(total, a + b)
+    assert torch.allclose(OnnxModule(model, outputs=["sum"])(a, b), a + b)
+    with pytest.raises(TypeError, match="missing"):
+        om(a)
+    with pytest.raises(TypeError, match="unexpected"):
+        om(a, b, c=b)
+
+
+# -- gradient rules ------------------------------------------------------------------------------------
+def test_missing_gradient_rule_reported_at_construction():
+    model = _linear_model()
+    # y -> LpNormalization (no rule) as the output: between the trainable weights and the output
+    model.graph.node[-1].output[0] = "pre_norm"
+    model.graph.node.append(helper.make_node("LpNormalization", ["pre_norm"], ["y"], name="norm_node"))
+    with pytest.raises(GradientRuleError, match="LpNormalization.*norm_node.*lin.weight"):
+        OnnxModule(model)
+    frozen = OnnxModule(model, trainable=[])  # nothing trainable: fine, forward-only use
+    assert frozen(torch.randn(2, 4)).shape == (2, 3)
+
+
+def test_op_without_rule_on_input_preprocessing_is_fine():
+    om = OnnxModule(_linear_model(op="LpNormalization"))
+    om(torch.randn(3, 4)).sum().backward()
+    assert om.lin_weight.grad is not None
+
+
+# -- scikit-learn files ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def digits():
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    return (X / 16).astype(np.float32), y
+
+
+def _sk_mlp(digits, zipmap: bool):
+    from skl2onnx import to_onnx
+    from sklearn.neural_network import MLPClassifier
+
+    X, y = digits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clf = MLPClassifier(hidden_layer_sizes=(32,), max_iter=20, random_state=0).fit(X, y)
+    return clf, to_onnx(clf, X[:1], options={id(clf): {"zipmap": zipmap}})
+
+
+def test_sklearn_mlp_finetunes_to_lower_loss(digits, tmp_path):
+    X, y = digits
+    clf, model = _sk_mlp(digits, zipmap=False)
+    om = OnnxModule(model, outputs=["probabilities"])
+    x, t = torch.from_numpy(X), torch.from_numpy(y)
+    with torch.no_grad():
+        assert_close(om(x), torch.from_numpy(clf.predict_proba(X)).float(), 1e-5, "sklearn probabilities")
+    loss = lambda: nn.functional.nll_loss(om(x).clamp_min(1e-7).log(), t)
+    opt = torch.optim.Adam(om.parameters(), lr=1e-3)
+    with torch.no_grad():
+        before = loss().item()
+    for _ in range(20):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    with torch.no_grad():
+        after = loss().item()
+    assert after < before - 0.01, (before, after)
+    # saved back: sklearn's label output still works in a plain session, with the new weights
+    om.save(tmp_path / "mlp.onnx")
+    label, proba = _ort_run(str(tmp_path / "mlp.onnx"), X=X)
+    with torch.no_grad():
+        assert_close(torch.from_numpy(proba), om(x), 1e-6, "saved probabilities")
+    assert (label == proba.argmax(1)).all()
+
+
+def test_sklearn_zipmap_output_dropped_with_note(digits):
+    _, model = _sk_mlp(digits, zipmap=True)
+    with pytest.warns(UserWarning, match="non-tensor outputs.*zipmap"):
+        om = OnnxModule(model)
+    assert om.output_names == ["output_label"]
+    with pytest.raises(OnnxLoadError, match="not a tensor"):
+        OnnxModule(model, outputs=["output_probability"])
+
+
+def test_sklearn_logistic_regression_has_nothing_to_train():
+    from skl2onnx import to_onnx
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import LogisticRegression
+
+    X, y = load_iris(return_X_y=True)
+    X = X.astype(np.float32)
+    clf = LogisticRegression(max_iter=300).fit(X, y)
+    model = to_onnx(clf, X[:1], options={id(clf): {"zipmap": False}})
+    with pytest.warns(UserWarning, match="no trainable"):
+        om = OnnxModule(model)
+    label, proba = om(torch.from_numpy(X))
+    assert_close(proba, torch.from_numpy(clf.predict_proba(X)).float(), 1e-5, "LinearClassifier")
+
+
+# -- external data, untrusted files ------------------------------------------------------------------------
+def _save_external(model: onnx.ModelProto, folder, name="m.onnx") -> str:
+    path = os.path.join(folder, name)
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=name + ".data", size_threshold=0)
+    return path
+
+
+def test_external_data_save_and_load(tmp_path):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 16)
+    om = OnnxModule(_save_external(_export(model, x), tmp_path))
+    with torch.no_grad():
+        assert_close(om(x), model(x), 1e-5, "external-data model")
+        om.out_bias.add_(1.0)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    om.save(out_dir / "tuned.onnx", external_data=True)
+    assert (out_dir / "tuned.onnx.data").exists()
+    (got,) = _ort_run(str(out_dir / "tuned.onnx"), x=x.numpy())
+    with torch.no_grad():
+        assert_close(torch.from_numpy(got), om(x), 1e-6, "saved with external data")
+    assert torch.equal(OnnxModule(out_dir / "tuned.onnx").out_bias, om.out_bias)
+
+
+def _with_location(path: str, location: str) -> None:
+    model = onnx.load(path, load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save_model(model, path)
+
+
+@pytest.mark.parametrize("location", ["/etc/passwd", "../secret.data", "sub/../../secret.data"])
+def test_external_data_escaping_the_folder_is_refused(tmp_path, location):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "secret.data").write_bytes(b"\0" * 4096)
+    path = _save_external(_linear_model(), folder)
+    _with_location(path, location)
+    with pytest.raises(OnnxLoadError, match="absolute|'\\.\\.'"):
+        OnnxModule(path)
+
+
+def test_external_data_symlink_outside_is_refused(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = _save_external(_linear_model(), folder)
+    real = tmp_path / "outside.data"
+    os.replace(path + ".data", real)
+    os.symlink(real, path + ".data")
+    with pytest.raises(OnnxLoadError, match="outside the model's folder"):
+        OnnxModule(path)
+
+
+def test_truncated_external_data_is_refused(tmp_path):
+    path = _save_external(_linear_model(), tmp_path)
+    data = open(path + ".data", "rb").read()
+    open(path + ".data", "wb").write(data[: len(data) - 8])
+    with pytest.raises(OnnxLoadError, match="past the end|truncated"):
+        OnnxModule(path)
+
+
+def test_external_data_from_proto_needs_base_dir(tmp_path):
+    path = _save_external(_linear_model(), tmp_path)
+    proto = onnx.load(path, load_external_data=False)
+    with pytest.raises(OnnxLoadError, match="base_dir"):
+        OnnxModule(proto)
+    om = OnnxModule(proto, base_dir=tmp_path)
+    assert om.lin_weight.shape == (4, 3)
+
+
+def test_truncated_and_garbage_files_are_refused(tmp_path):
+    data = _export(MLP(), torch.randn(2, 16)).SerializeToString()
+    for name, content in [("trunc.onnx", data[: len(data) // 2]), ("junk.onnx", b"\xff\x00garbage" * 10),
+                          ("empty.onnx", b"")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(OnnxLoadError):
+            OnnxModule(tmp_path / name)
+    with pytest.raises(OnnxLoadError, match="cannot read"):
+        OnnxModule(tmp_path / "missing.onnx")
+
+
+def test_checker_failure_is_refused_and_proto_untouched():
+    model = _linear_model()
+    model.graph.node[0].input[0] = "undefined_value"
+    before = model.SerializeToString()
+    with pytest.raises(OnnxLoadError, match="checker"):
+        OnnxModule(model)
+    assert model.SerializeToString() == before
+    good = _linear_model()
+    before = good.SerializeToString()
+    OnnxModule(good)
+    assert good.SerializeToString() == before
+
+
+def test_malformed_initializer_is_refused():
+    model = _linear_model()
+    model.graph.initializer[0].raw_data = model.graph.initializer[0].raw_data[:-4]
+    with pytest.raises(OnnxLoadError):
+        OnnxModule(model)
+
+
+# -- composition -----------------------------------------------------------------------------------------
+def test_composes_inside_a_torch_model():
+    torch.manual_seed(0)
+    body = MLP()
+    head = nn.Linear(5, 2)
+    combined = nn.Sequential(OnnxModule(_export(body, torch.randn(2, 16))), head)
+    eager = nn.Sequential(copy.deepcopy(body), copy.deepcopy(head))
+    combined[1].load_state_dict(eager[1].state_dict())
+    x, y = torch.randn(8, 16), torch.randn(8, 2)
+    for m in (combined, eager):
+        nn.functional.mse_loss(m(x), y).backward()
+    assert_close(combined[0].fc1_weight.grad, eager[0].fc1.weight.grad, 1e-5, "fc1.weight grad")
+    assert_close(combined[1].weight.grad, eager[1].weight.grad, 1e-5, "head grad")
+    assert "0.fc1_weight" in combined.state_dict()
