@@ -94,6 +94,16 @@ class InputSignature:
     def training(self) -> bool:
         return self.modes[0]
 
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(s.shape for s in self.inputs)
+
+    def shapeless(self) -> InputSignature:
+        """The export key with the user inputs' sizes dropped (ranks kept): NOTE [dynamic shapes]."""
+        key = self.export_key()
+        return dataclasses.replace(
+            key, inputs=tuple(dataclasses.replace(s, shape=(-1,) * len(s.shape)) for s in key.inputs)
+        )
+
     def export_key(self) -> InputSignature:
         """The part that decides the forward graph: requires_grad and grad mode only change autodiff."""
         strip = lambda specs: tuple(dataclasses.replace(s, requires_grad=False) for s in specs)

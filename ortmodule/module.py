@@ -18,7 +18,8 @@ from torch import nn
 
 from .errors import ExportError, GradientRuleError
 from .export import export_module
-from .export.torchscript import input_name, mask_name
+from .export.dynamic import DynamicExport
+from .export.torchscript import ExportedModel, input_name, mask_name
 from .function import ORTFunction
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, logger
@@ -78,8 +79,9 @@ class ORTModule(nn.Module):
     later calls with the same input signature reuse them. Parameters stay owned by ``module``.
     """
 
-    _own_attrs = frozenset({"_original_module", "_entries", "_exports", "_stats", "_options", "_lock",
-                            "_warned"})
+    # NOTE [own attributes]: every other attribute set on the wrapper goes to the wrapped module.
+    _own_attrs = frozenset({"_original_module", "_entries", "_built", "_exports", "_dynamic", "_stats",
+                            "_options", "_lock", "_warned"})
 
     def __init__(
         self,
@@ -99,8 +101,10 @@ class ORTModule(nn.Module):
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
-        self._entries: LRUCache = LRUCache(self._options.cache_size)
-        self._exports: LRUCache = LRUCache(self._options.cache_size)
+        self._entries: LRUCache = LRUCache(self._options.cache_size)  # full signature -> entry
+        self._built: LRUCache = LRUCache(self._options.cache_size)  # (export, grad mask) -> entry
+        self._exports: LRUCache = LRUCache(self._options.cache_size)  # export key -> ExportedModel
+        self._dynamic: LRUCache = LRUCache(self._options.cache_size)  # shapeless key -> DynamicExport
         self._stats = Stats()
         self._lock = threading.RLock()
         self._warned: set[str] = set()
@@ -109,7 +113,7 @@ class ORTModule(nn.Module):
     # options and rebuilds its graphs on first use.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_entries", "_exports", "_stats", "_lock", "_warned"):
+        for k in ("_entries", "_built", "_exports", "_dynamic", "_stats", "_lock", "_warned"):
             state.pop(k, None)
         return state
 
@@ -125,16 +129,15 @@ class ORTModule(nn.Module):
         """Stop ORT's profiler (``DebugOptions.profile_prefix``) on every session; the JSON files."""
         files = []
         with self._lock:
-            for entry in self._entries._data.values():
-                if entry is not _FALLBACK:
-                    files.extend(entry.end_profiling())
+            for entry in self._built._data.values():
+                files.extend(entry.end_profiling())
         return files
 
     def clear_cache(self) -> None:
         """Drop every compiled entry: the next call re-exports."""
         with self._lock:
-            self._entries.clear()
-            self._exports.clear()
+            for cache in (self._entries, self._built, self._exports, self._dynamic):
+                cache.clear()
 
     # -- the wrapped module, transparently ------------------------------------------------------
     @property
@@ -204,7 +207,8 @@ class ORTModule(nn.Module):
             + [mask_name(i) for i in range(len(exported.masks))]
         )
         device = entry.device
-        tensors = [*flat.tensors, *params, *buffers, *(spec.draw(device) for spec in exported.masks)]
+        masks = [spec.draw(device, flat.tensors) for spec in exported.masks]
+        tensors = [*flat.tensors, *params, *buffers, *masks]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
         if needs_grad:
             outs = ORTFunction.apply(entry, names, mutated, *tensors)
@@ -246,26 +250,72 @@ class ORTModule(nn.Module):
         return entry
 
     def _compile(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad) -> CompiledEntry:
-        key = sig.export_key()
-        exported = self._exports.get(key)
-        if exported is None:
-            t0 = time.perf_counter()
-            with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
-                exported = export_module(self.module, flat, params, param_names, buffers, buffer_names)
-            self._stats.export_s += time.perf_counter() - t0
-            self._stats.exports += 1
-            self._exports.put(key, exported)
-            logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)
+        args = (flat, params, param_names, buffers, buffer_names)
+        exported = self._export_for(sig, *args)
         device = _device_of(flat.tensors, params)
         requires_grad = None
         if needs_grad:
             requires_grad = {input_name(i): s.requires_grad for i, s in enumerate(sig.inputs)}
             requires_grad.update({n[0]: s.requires_grad for n, s in zip(param_names, sig.params)})
+        key = (id(exported), None if requires_grad is None else tuple(sorted(requires_grad.items())))
+        entry = self._built.get(key)
+        if entry is not None:
+            return entry
+        try:
+            entry = self._build(exported, device, requires_grad)
+        except GradientRuleError:
+            if not exported.dynamic:
+                raise
+            # A rule that needs static sizes: give this signature its own static graph.
+            dyn = self._dynamic.get(sig.shapeless())
+            if dyn is not None:
+                dyn.static = True
+            exported = self._export(sig, *args, dynamic=False)
+            self._exports.put(sig.export_key(), exported)
+            key = (id(exported), key[1])
+            entry = self._build(exported, device, requires_grad)
+        self._built.put(key, entry)
+        return entry
+
+    def _build(self, exported, device, requires_grad) -> CompiledEntry:
+        if requires_grad is not None:
             self._stats.gradient_builds += 1
         entry = CompiledEntry(exported, device, requires_grad, stats=self._stats,
                               profile_prefix=self._options.debug.profile_prefix)
         self._save_graphs(entry)
         return entry
+
+    def _export_for(self, sig, flat, params, param_names, buffers, buffer_names) -> ExportedModel:
+        """The forward graph for ``sig``: cached, shared across shapes where verified, or new."""
+        args = (flat, params, param_names, buffers, buffer_names)
+        key = sig.export_key()
+        exported = self._exports.get(key)
+        if exported is not None:
+            return exported
+        shapeless, shapes = sig.shapeless(), sig.shapes()
+        dyn = self._dynamic.get(shapeless)
+        if dyn is not None and dyn.covers(shapes):
+            exported = dyn.reference
+        else:
+            exported = self._export(sig, *args, dynamic=dyn is None or not dyn.static)
+            if dyn is None:
+                if exported.dynamic:
+                    self._dynamic.put(shapeless, DynamicExport.start(exported, shapes))
+            elif dyn.verify(exported, shapes):
+                logger.info("graph verified shape-generic for dims %s", sorted(dyn.verified))
+                exported = dyn.reference
+        self._exports.put(key, exported)
+        return exported
+
+    def _export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool) -> ExportedModel:
+        t0 = time.perf_counter()
+        with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
+            exported = export_module(self.module, flat, params, param_names, buffers, buffer_names,
+                                     dynamic=dynamic)
+        self._stats.export_s += time.perf_counter() - t0
+        self._stats.exports += 1
+        logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)
+        return exported
 
     def _autocast_for_export(self, sig, device: torch.device):
         """NOTE [autocast]: the trace runs in the caller's autocast context, so the graph gets its

@@ -426,6 +426,55 @@ def test_cache_hits_and_new_shapes():
         x = torch.randn(b, 4)
         assert_close(wrapped(x), eager(x), 1e-6, f"batch {b}")
     assert wrapped.stats.cache_misses == 3 and wrapped.stats.cache_hits == 2
+    assert wrapped.stats.exports == 2  # batch 5 reuses the verified graph without exporting
+
+
+def test_dynamic_shapes_share_one_graph():
+    eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))))
+    for b in (2, 3, 5, 7, 2):
+        x = torch.randn(b, 4)
+        oe, oo = eager(x), wrapped(x)
+        assert_close(oo, oe, 1e-6, f"batch {b}")
+        eager.zero_grad()
+        wrapped.zero_grad()
+        oe.square().sum().backward()
+        oo.square().sum().backward()
+        check_grads(eager, wrapped)
+    s = wrapped.stats
+    assert s.exports == 2, "first shape + one verification export"
+    assert s.gradient_builds == 1 and len(wrapped._built) == 1
+
+
+class ShapeBaked(nn.Module):
+    """Reads a size into Python: the traced graph holds it as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * float(x.shape[0])
+
+
+def test_shape_specialised_graph_gets_one_export_per_shape():
+    eager, wrapped = both(seeded(ShapeBaked))
+    for b in (2, 3, 5, 3):
+        x = torch.randn(b, 4)
+        assert_close(wrapped(x), eager(x), 1e-6, f"batch {b}")
+    assert wrapped.stats.exports == 3 and wrapped._dynamic.get(next(iter(wrapped._dynamic._data))).static
+
+
+def test_dynamic_shapes_with_dropout_masks():
+    model = seeded(lambda: nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)))
+    eager, wrapped = both(model)
+    for b in (3, 6, 9):
+        x = torch.randn(b, 4)
+        torch.manual_seed(b)
+        oe = eager(x)
+        torch.manual_seed(b)
+        oo = wrapped(x)
+        assert_close(oo, oe, 1e-6, f"batch {b}")
+    assert wrapped.stats.exports == 2
 
 
 def test_cache_is_bounded_lru():
@@ -642,7 +691,8 @@ def test_stats():
         wrapped(x).sum().backward()
     wrapped(torch.randn(5, 4))
     s = wrapped.stats
-    assert s.exports == 2 and s.reexports == 1 and s.gradient_builds == 2
+    # the second shape is exported once more to verify the graph is shape-generic, then shares it
+    assert s.exports == 2 and s.reexports == 1 and s.gradient_builds == 1
     assert s.cache_hits == 2 and s.cache_misses == 2 and s.fallbacks == 0
     assert s.export_s > 0 and s.gradient_build_s > 0 and s.session_create_s > 0
     assert s.peak_rss_mb > 10

@@ -28,12 +28,22 @@ from torch.overrides import TorchFunctionMode
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
+    """One dropout mask: its shape at export time, and how each dim follows the inputs' shapes.
+
+    ``dims[d]`` is an int (a fixed size) or ``(i, j)``: dim j of user input i (see
+    NOTE [dynamic shapes]); ``None`` means the export-time ``shape`` holds.
+    """
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     p: float
+    dims: tuple | None = None
 
-    def draw(self, device: torch.device) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p)
+    def draw(self, device: torch.device, inputs=()) -> torch.Tensor:
+        shape = self.shape
+        if self.dims is not None:
+            shape = tuple(d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in self.dims)
+        return torch.empty(shape, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p)
 
 
 def _dropout_args(func, args, kwargs):
@@ -102,7 +112,7 @@ def define_mask_op() -> None:
 _ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
 
 
-def masks_to_inputs(model, masks: list[MaskSpec], input_name) -> None:
+def masks_to_inputs(model, masks: list[MaskSpec], input_name, dynamic: bool = False) -> None:
     """Replace each ``ortmodule.DropoutMask`` node (index k) by a graph input ``input_name(k)``."""
     import onnx
 
@@ -121,7 +131,8 @@ def masks_to_inputs(model, masks: list[MaskSpec], input_name) -> None:
         return
     for k, _ in sorted(found):
         spec = masks[k]
-        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), _ONNX_DTYPE[spec.dtype], spec.shape))
+        shape = [f"dropout{k}_dim{d}" for d in range(len(spec.shape))] if dynamic else list(spec.shape)
+        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), _ONNX_DTYPE[spec.dtype], shape))
     for node in keep:
         for i, name in enumerate(node.input):
             if name in renames:

@@ -28,6 +28,10 @@ def mask_name(i: int) -> str:
     return f"dropout:{i}"
 
 
+def _dynamic_axes(flat: FlatInputs) -> dict[str, dict[int, str]]:
+    return {input_name(i): {d: f"input{i}_dim{d}" for d in range(t.dim())} for i, t in enumerate(flat.tensors)}
+
+
 @dataclasses.dataclass
 class ExportedModel:
     """The forward graph and how its inputs/outputs map to the module's world.
@@ -45,6 +49,7 @@ class ExportedModel:
     mutated_buffers: tuple[int, ...]
     opset: int
     masks: tuple[MaskSpec, ...] = ()
+    dynamic: bool = False
 
 
 @contextlib.contextmanager
@@ -123,8 +128,14 @@ def export_module(
     buffer_names: Sequence[Sequence[str]],
     *,
     opset: int = DEFAULT_OPSET,
+    dynamic: bool = False,
 ) -> ExportedModel:
-    """Trace ``module`` on ``flat`` to an ONNX forward graph in the module's current train/eval mode."""
+    """Trace ``module`` on ``flat`` to an ONNX forward graph in the module's current train/eval mode.
+
+    With ``dynamic``, every dim of every user tensor input is a symbolic axis: sizes the forward
+    reads with ``x.shape`` become Shape ops; whether the graph really is shape-generic is checked by
+    the caller (NOTE [dynamic shapes]).
+    """
     wrapper = _Flat(module, flat, param_names, buffer_names)
     inputs = tuple(flat.tensors) + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
     names = [input_name(i) for i in range(len(flat.tensors))]
@@ -145,6 +156,7 @@ def export_module(
                 training=torch.onnx.TrainingMode.PRESERVE,
                 do_constant_folding=False,
                 keep_initializers_as_inputs=False,
+                dynamic_axes=_dynamic_axes(flat) if dynamic else None,
             )
     except Exception as exc:
         if wrapper.forward_error is not None:
@@ -158,7 +170,7 @@ def export_module(
         raise ExportError(f"{type(module).__name__}.forward was not traced")
     model = onnx.load_from_string(buf.getvalue())
     masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
-    masks_to_inputs(model, list(masks), mask_name)
+    masks_to_inputs(model, list(masks), mask_name, dynamic)
     for node in model.graph.node:
         path = module_path_from_scope(node.name, WRAPPER_ATTR)
         if path is not None:
@@ -171,4 +183,5 @@ def export_module(
         mutated_buffers=wrapper.mutated,
         opset=opset,
         masks=masks,
+        dynamic=dynamic,
     )
