@@ -1,0 +1,36 @@
+"""Smoke test of benchmarks/bench_train.py --quick: it runs and writes the expected JSON (no speed checks)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_train.py"
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not present")
+def test_bench_quick_mlp_eager_and_ortmodule(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--model", "mlp", "--modes", "eager,ortmodule",
+           "--out-dir", str(tmp_path), "--no-plot"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| eager |" in proc.stdout and "| ortmodule |" in proc.stdout
+
+    data = json.loads((tmp_path / "latest.json").read_text())
+    assert {"command", "quick", "modes", "machine", "models"} <= data.keys()
+    assert data["quick"] is True and data["modes"] == ["eager", "ortmodule"]
+    assert {"platform", "cpu_logical", "torch_threads", "torch"} <= data["machine"].keys()
+    modes = data["models"]["mlp"]["modes"]
+    assert set(modes) == {"eager", "ortmodule"}
+    common = {"first_call_s", "fwd_bwd_median_ms", "fwd_bwd_min_ms", "full_median_ms", "full_min_ms",
+              "samples_per_s", "speedup_full", "speedup_fwd_bwd", "peak_rss_mb", "error"}
+    for mode, res in modes.items():
+        assert common <= res.keys(), (mode, sorted(res))
+        assert res["error"] is None, res["error"]
+        assert res["fwd_bwd_median_ms"] > 0 and res["peak_rss_mb"] > 0
+    ort = modes["ortmodule"]
+    assert {"forward_run", "backward_run", "torch_overhead"} <= ort["ort_breakdown_ms"].keys()
+    assert {"export_s", "gradient_build_s", "session_create_s"} <= ort["first_call_breakdown_s"].keys()
