@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import threading
 import time
@@ -99,6 +100,22 @@ class ORTModule(nn.Module):
         self._original_module = module
         self._options = Options.resolve(fallback, cache_size, debug)
         self._init_runtime_state()
+        self._expose_signature()
+
+    def _expose_signature(self) -> None:
+        """``inspect.signature(wrapper.forward)`` is the wrapped forward's (HF Trainer reads it to
+        choose the batch columns). NOTE [own attributes]: stored in __dict__, rebuilt on unpickle."""
+        module = self._modules["_original_module"]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return ORTModule.forward(self, *args, **kwargs)
+
+        try:
+            forward.__signature__ = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            pass
+        forward.__doc__ = module.forward.__doc__
+        self.__dict__["forward"] = forward
 
     def _init_runtime_state(self) -> None:
         self._entries: LRUCache = LRUCache(self._options.cache_size)  # full signature -> entry
@@ -113,13 +130,14 @@ class ORTModule(nn.Module):
     # options and rebuilds its graphs on first use.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_entries", "_built", "_exports", "_dynamic", "_stats", "_lock", "_warned"):
+        for k in ("_entries", "_built", "_exports", "_dynamic", "_stats", "_lock", "_warned", "forward"):
             state.pop(k, None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._init_runtime_state()
+        self._expose_signature()
 
     @property
     def options(self) -> Options:

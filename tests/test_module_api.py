@@ -380,6 +380,17 @@ def test_to_and_double_precision():
     check_grads(eager, wrapped, rtol=1e-10)
 
 
+def test_forward_signature_is_the_wrapped_one():
+    import inspect
+
+    wrapped = ORTModule(seeded(Defaults))
+    assert list(inspect.signature(wrapped.forward).parameters) == ["x", "y", "scale", "bias"]
+    clone = pickle.loads(pickle.dumps(wrapped))
+    assert list(inspect.signature(clone.forward).parameters) == ["x", "y", "scale", "bias"]
+    x = torch.randn(2, 4)
+    assert_close(clone.forward(x), wrapped.module(x), 1e-6, "forward through the exposed signature")
+
+
 def test_forward_hooks_on_the_wrapper():
     wrapped = ORTModule(seeded(lambda: nn.Linear(4, 2)))
     seen = []
