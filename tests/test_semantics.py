@@ -113,3 +113,47 @@ def test_module_forward_not_rerun_with_dropout():
     for _ in range(3):
         wrapped(x).sum().backward()
     assert counter.count == 0
+
+
+class StopGrads(nn.Module):
+    """Gradients stop at .detach(), inside torch.no_grad() blocks and at Embedding's padding_idx."""
+
+    def __init__(self, padding_idx=0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.emb = nn.Embedding(10, 4, padding_idx=padding_idx)
+
+    def forward(self, x, idx):
+        h = self.lin(x)
+        with torch.no_grad():
+            scale = h.abs().mean() + 1.0
+        centred = h - h.mean(0).detach()
+        return (centred * h.detach()).sum() / scale + self.emb(idx).square().sum()
+
+
+@pytest.mark.parametrize("padding_idx", [0, -1])
+def test_gradients_stop_like_eager(padding_idx):
+    torch.manual_seed(0)
+    model = StopGrads(padding_idx)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x, idx = torch.randn(3, 4), torch.tensor([[0, 1, 9], [0, 0, 3]])
+    for m in (eager, wrapped):
+        m(x, idx).backward()
+    for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-5, f"{n}.grad")
+    pad = padding_idx % 10
+    assert torch.count_nonzero(wrapped.module.emb.weight.grad[pad]) == 0
+
+
+def test_first_call_under_no_grad_then_training():
+    torch.manual_seed(0)
+    model = StopGrads()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x, idx = torch.randn(3, 4), torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert_close(wrapped(x, idx), eager(x, idx), 1e-5, "no-grad output")
+    for m in (eager, wrapped):
+        m(x, idx).backward()
+    for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-5, f"{n}.grad after a first no-grad call")
+    assert wrapped.stats.exports == 1

@@ -91,22 +91,58 @@ MASK_OP = "DropoutMask"
 MASK_DOMAIN = "ortmodule"
 
 
+STOP_GRADIENT_OP = "StopGradient"
+
+
 def define_mask_op() -> None:
-    """The placeholder ``ortmodule::dropout_mask`` and its ONNX symbolic (NOTE [dropout masks])."""
+    """The placeholder ops traced for ortmodule's own semantics, and their ONNX symbolics:
+
+    ``ortmodule::dropout_mask`` (NOTE [dropout masks]) and ``ortmodule::stop_gradient``
+    (NOTE [stop gradient]).
+    """
     if hasattr(torch.ops.ortmodule, "dropout_mask"):
         return
     lib = torch.library.Library("ortmodule", "DEF")
     lib.define("dropout_mask(Tensor x, float p, int k) -> Tensor")
     lib.impl("dropout_mask", lambda x, p, k: torch.ones_like(x), "CompositeExplicitAutograd")
+    lib.define("stop_gradient(Tensor x) -> Tensor")
+    lib.impl("stop_gradient", lambda x: x.detach().clone(), "CompositeExplicitAutograd")
     define_mask_op.lib = lib  # keep the library alive
 
-    def symbolic(g, x, p, k):
+    def mask_symbolic(g, x, p, k):
         index = torch.onnx.symbolic_helper._get_const(k, "i", "k")
         out = g.op(f"{MASK_DOMAIN}::{MASK_OP}", x, index_i=index)
         out.setType(x.type())
         return out
 
-    torch.onnx.register_custom_op_symbolic("ortmodule::dropout_mask", symbolic, 9)
+    def stop_symbolic(g, x):
+        out = g.op(f"{MASK_DOMAIN}::{STOP_GRADIENT_OP}", x)
+        out.setType(x.type())
+        return out
+
+    torch.onnx.register_custom_op_symbolic("ortmodule::dropout_mask", mask_symbolic, 9)
+    torch.onnx.register_custom_op_symbolic("ortmodule::stop_gradient", stop_symbolic, 9)
+
+
+def lower_for_runtime(model):
+    """NOTE [stop gradient]: ``ortmodule.StopGradient`` only tells autodiff where gradients stop; for
+    onnxruntime it is an Identity. Returns ``model`` itself when there is nothing to lower."""
+    if not any(n.domain == MASK_DOMAIN for n in model.graph.node):
+        return model
+    import onnx
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for node in model.graph.node:
+        if node.domain == MASK_DOMAIN and node.op_type == STOP_GRADIENT_OP:
+            node.domain, node.op_type = "", "Identity"
+    opsets = [o for o in model.opset_import if o.domain != MASK_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(opsets)
+    return model
+
+
+def stop_gradient(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.ortmodule.stop_gradient(x) if x.is_floating_point() else x
 
 
 _ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
@@ -170,7 +206,31 @@ class _Base(TorchFunctionMode):
                 )
         if func is F.batch_norm:
             return self._batch_norm(func, args, kwargs)
-        return func(*args, **kwargs)
+        if func in (torch.Tensor.detach, torch.detach):
+            return stop_gradient(args[0])
+        if func is F.embedding:
+            return self._embedding(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            # NOTE [stop gradient]: what the forward computes under torch.no_grad() carries no
+            # gradient in eager PyTorch; the tracer records it like any op, so mark it.
+            return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, out)
+        return out
+
+    def _embedding(self, func, args, kwargs):
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+        b = dict(zip(names, args))
+        b.update(kwargs)
+        out = func(*args, **kwargs)
+        padding_idx = b.get("padding_idx")
+        if padding_idx is None or not torch.is_grad_enabled():
+            return out
+        # NOTE [stop gradient]: rows looked up at padding_idx get no gradient, as in eager.
+        idx = b["input"]
+        if padding_idx < 0:
+            padding_idx += b["weight"].size(0)
+        keep = (idx != padding_idx).unsqueeze(-1)
+        return torch.where(keep, out, stop_gradient(out))
 
     def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
         raise NotImplementedError

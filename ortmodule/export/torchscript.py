@@ -143,7 +143,9 @@ def export_module(
     define_mask_op()
     buf = io.BytesIO()
     try:
-        with warnings.catch_warnings():
+        # The export is shared by grad and no-grad calls: trace with grad enabled so that only the
+        # module's own no_grad blocks read as such (NOTE [stop gradient]).
+        with warnings.catch_warnings(), torch.enable_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 wrapper,
