@@ -93,6 +93,44 @@ def _infer_missing_types(model: ir.Model, nodes: Sequence[ir.Node]) -> None:
             )
 
 
+def reference_dim_values(exported: ExportedModel) -> dict[str, int]:
+    """NOTE [reference dims]: the size of each symbolic dim of the forward graph at export time.
+
+    Shape inference on a dynamic graph names most intermediate dims ``unk__N``, so whether a
+    gradient must be summed over a broadcast axis is often undecidable from symbols alone. The same
+    graph inferred with the export-time input shapes gives each symbol a size; an axis whose sizes
+    agree there is taken as not broadcast. The graph was seen to be identical at two shapes
+    (NOTE [dynamic shapes]); if a later shape broadcasts differently, torch rejects the gradient's
+    shape loudly rather than training wrongly.
+    """
+    concrete = onnx.ModelProto.FromString(exported.model.SerializeToString())
+    sizes = dict(zip([f"input:{i}" for i in range(len(exported.input_shapes))], exported.input_shapes))
+    sizes.update({f"dropout:{k}": spec.shape for k, spec in enumerate(exported.masks)})
+    for vi in concrete.graph.input:
+        if vi.name in sizes:
+            for dim, size in zip(vi.type.tensor_type.shape.dim, sizes[vi.name]):
+                dim.Clear()
+                dim.dim_value = size
+    del concrete.graph.value_info[:]
+    try:
+        concrete = onnx.shape_inference.infer_shapes(concrete, data_prop=True)
+    except Exception:  # an op onnx cannot infer: no reference sizes, the run-time path is used
+        return {}
+    symbolic = exported.model.graph
+    by_name = {vi.name: vi for vi in concrete.graph.value_info}
+    values: dict[str, int] = {}
+    for vi in list(symbolic.value_info) + list(symbolic.input) + list(symbolic.output):
+        ref = by_name.get(vi.name)
+        if ref is None:
+            ref = next((c for c in concrete.graph.input if c.name == vi.name), None)
+        if ref is None or not vi.type.HasField("tensor_type"):
+            continue
+        for d, r in zip(vi.type.tensor_type.shape.dim, ref.type.tensor_type.shape.dim):
+            if d.dim_param and r.HasField("dim_value"):
+                values.setdefault(d.dim_param, r.dim_value)
+    return values
+
+
 def _needed_nodes(nodes: Sequence[ir.Node], outputs: Iterable[ir.Value]) -> list[ir.Node]:
     """Dead-code elimination: the nodes (in order) that ``outputs`` depend on."""
     live = set(outputs)
@@ -118,7 +156,8 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     active = differentiable_values(graph, wrt)
     diff_outputs = [i for i in range(n_user) if outputs[i] in active]
     fwd_nodes = list(graph)
-    grad = build_gradient(graph, wrt, [outputs[i] for i in diff_outputs], opset=exported.opset)
+    grad = build_gradient(graph, wrt, [outputs[i] for i in diff_outputs], opset=exported.opset,
+                          dim_values=reference_dim_values(exported) if exported.dynamic else None)
 
     # Name every new value uniquely by adding the nodes to the graph (its name authority), then
     # take them out again: the split below only needs names.

@@ -11,6 +11,8 @@ from ..errors import GradientRuleError, node_location
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .registry import GradBuilder, is_float, lookup
 
+STOP_GRADIENT_KEY = "pkg.ortmodule.stop_gradient"  # set by export/semantics.py
+
 
 @dataclasses.dataclass
 class GradientGraph:
@@ -35,6 +37,8 @@ def differentiable_values(graph: ir.Graph, wrt: Sequence[ir.Value]) -> set[ir.Va
         info = lookup(node.domain, node.op_type)
         if info is not None and info.fn is None:
             continue  # non-differentiable op: its outputs carry no gradient
+        if node.metadata_props.get(STOP_GRADIENT_KEY):
+            continue  # NOTE [stop gradient]: .detach(), no_grad blocks, padding_idx rows
         for out in node.outputs:
             if is_float(out.dtype):
                 active.add(out)
@@ -47,6 +51,7 @@ def build_gradient(
     outputs: Sequence[ir.Value],
     *,
     opset: int,
+    dim_values: dict[str, int] | None = None,
 ) -> GradientGraph:
     """Build the nodes computing the gradients of ``outputs`` with respect to ``wrt``.
 
@@ -54,7 +59,7 @@ def build_gradient(
     must be differentiable (a float value depending on ``wrt``).
     """
     active = differentiable_values(graph, wrt)
-    g = GradBuilder(opset)
+    g = GradBuilder(opset, dim_values)
     grads: dict[ir.Value, list[ir.Value]] = {}
     grad_inputs: list[ir.Value] = []
     for out in outputs:

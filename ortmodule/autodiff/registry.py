@@ -73,8 +73,10 @@ def is_float(dtype: ir.DataType | None) -> bool:
 class GradBuilder:
     """Emits backward nodes for the rules; shared helpers live here, not in each rule."""
 
-    def __init__(self, opset: int) -> None:
+    def __init__(self, opset: int, dim_values: dict[str, int] | None = None) -> None:
         self.opset = opset
+        # NOTE [reference dims]: the size each symbolic dim had at export time (see partition.py)
+        self.dim_values = dim_values or {}
         self.nodes: list[ir.Node] = []
         self._node: ir.Node | None = None  # the forward node whose rule is running
         self._count = 0
@@ -183,14 +185,18 @@ class GradBuilder:
             inner: list[int] = []
             for i in range(rx):
                 dx, dg = x_shape[i], g_shape[rg - rx + i]
-                if dx == dg:
-                    continue
+                if dx == dg or (isinstance(dx, int) and dx != 1):
+                    continue  # equal, or x has a real extent there: broadcasting cannot have expanded x
                 if dx == 1:
+                    inner.append(i)  # summing a size-1 g axis too is a no-op
+                    continue
+                vx, vg = self._reference_dim(dx), self._reference_dim(dg)
+                if vx is not None and vg is not None and vx == vg:
+                    continue  # equal at the reference shapes: NOTE [reference dims]
+                if vx == 1 and vg is not None:
                     inner.append(i)
-                elif isinstance(dx, int) and isinstance(dg, int):
-                    raise ValueError(f"cannot reduce a gradient of shape {g_shape} to {x_shape}")
-                else:
-                    decidable = False
+                    continue
+                decidable = False
             if decidable:
                 out = g
                 if lead:
@@ -220,6 +226,12 @@ class GradBuilder:
             "ReduceSum", [out, axes], {"keepdims": 1, "noop_with_empty_axes": 1}, dtype=x.dtype, shape=x_shape
         )
         return out
+
+    def _reference_dim(self, d) -> int | None:
+        if isinstance(d, int):
+            return d
+        value = getattr(d, "value", None)
+        return self.dim_values.get(value) if value is not None else None
 
     def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.op("Add", [a, b], dtype=a.dtype, shape=_broadcast_shape(a, b))

@@ -124,21 +124,21 @@ def define_mask_op() -> None:
     torch.onnx.register_custom_op_symbolic("ortmodule::stop_gradient", stop_symbolic, 9)
 
 
-def lower_for_runtime(model):
-    """NOTE [stop gradient]: ``ortmodule.StopGradient`` only tells autodiff where gradients stop; for
-    onnxruntime it is an Identity. Returns ``model`` itself when there is nothing to lower."""
-    if not any(n.domain == MASK_DOMAIN for n in model.graph.node):
-        return model
-    import onnx
+STOP_GRADIENT_KEY = "pkg.ortmodule.stop_gradient"
 
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+
+def mark_stop_gradients(model) -> None:
+    """NOTE [stop gradient]: each traced ``ortmodule.StopGradient`` becomes a standard Identity node
+    carrying the metadata ``pkg.ortmodule.stop_gradient``, which autodiff treats as the end of every
+    gradient path; onnx shape inference and onnxruntime see a plain Identity."""
     for node in model.graph.node:
         if node.domain == MASK_DOMAIN and node.op_type == STOP_GRADIENT_OP:
             node.domain, node.op_type = "", "Identity"
+            node.metadata_props.add(key=STOP_GRADIENT_KEY, value="true")
     opsets = [o for o in model.opset_import if o.domain != MASK_DOMAIN]
-    del model.opset_import[:]
-    model.opset_import.extend(opsets)
-    return model
+    if len(opsets) != len(model.opset_import):
+        del model.opset_import[:]
+        model.opset_import.extend(opsets)
 
 
 def stop_gradient(x: torch.Tensor) -> torch.Tensor:

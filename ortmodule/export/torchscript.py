@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
-from .semantics import ExportSemantics, MaskSpec, define_mask_op, masks_to_inputs
+from .semantics import ExportSemantics, MaskSpec, define_mask_op, mark_stop_gradients, masks_to_inputs
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -50,6 +50,7 @@ class ExportedModel:
     opset: int
     masks: tuple[MaskSpec, ...] = ()
     dynamic: bool = False
+    input_shapes: tuple[tuple[int, ...], ...] = ()  # the user inputs' shapes at export time
 
 
 @contextlib.contextmanager
@@ -173,6 +174,7 @@ def export_module(
     model = onnx.load_from_string(buf.getvalue())
     masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
     masks_to_inputs(model, list(masks), mask_name, dynamic)
+    mark_stop_gradients(model)
     for node in model.graph.node:
         path = module_path_from_scope(node.name, WRAPPER_ATTR)
         if path is not None:
@@ -186,4 +188,5 @@ def export_module(
         opset=opset,
         masks=masks,
         dynamic=dynamic,
+        input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
     )

@@ -7,8 +7,6 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from ..export.semantics import lower_for_runtime
-
 _CPU_DEVICE = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
@@ -55,7 +53,6 @@ class GraphRunner:
         options: ort.SessionOptions | None = None,
     ) -> None:
         self.device = device
-        model = lower_for_runtime(model)
         self.session = ort.InferenceSession(
             model.SerializeToString(), options or make_session_options(), providers=providers_for(device)
         )

@@ -13,9 +13,6 @@ register_nondifferentiable(
     "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
     "IsNaN", "IsInf", "ArgMax", "ArgMin", "Sign", "Floor", "Ceil", "Round", "OneHot",
 )
-# NOTE [stop gradient]: x.detach(), torch.no_grad() blocks and Embedding's padding_idx export as this
-# marker (lowered to Identity for onnxruntime): no gradient flows through it.
-register_nondifferentiable("StopGradient", domain="ortmodule")
 
 
 def _back_to_shape(g: GradBuilder, node: ir.Node, dys):
