@@ -391,6 +391,10 @@ class WorkerHandle:
             cmd.append("--quick")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        if mode == "ortmodule":
+            # What `import ortmodule` before `import torch` does (NOTE [threads] in
+            # ortmodule/runtime/session.py); eager and compile keep torch's default.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, bufsize=1, env=env)
         self.replies: queue.Queue = queue.Queue()

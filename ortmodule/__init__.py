@@ -11,11 +11,22 @@ Pipeline stages, in order:
   onnx_module OnnxModule: train an .onnx file with the same engine
 """
 
-from .errors import ExportError, GradientRuleError, ORTModuleError
-from .explain import Explanation, explain
-from .module import ORTModule, Stats
+import os as _os
+import sys as _sys
+
+# NOTE [threads] (runtime/session.py): torch's OpenMP workers spin-wait after every torch op and
+# then compete with ONNX Runtime's workers for the cores (measured on 2 cores: an ORT MatMul between
+# torch ops took 39 ms instead of 20 ms). libgomp reads OMP_WAIT_POLICY once, when torch is first
+# imported, so this only takes effect when ortmodule is imported before torch; otherwise set
+# OMP_WAIT_POLICY=PASSIVE in the environment. A value the user set is kept.
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from .errors import ExportError, GradientRuleError, ORTModuleError  # noqa: E402
+from .explain import Explanation, explain  # noqa: E402
+from .module import ORTModule, Stats  # noqa: E402
 from .onnx_module import OnnxModule
-from .options import DebugOptions, FallbackPolicy
+from .options import DebugOptions, FallbackPolicy  # noqa: E402
 
 __all__ = [
     "DebugOptions",

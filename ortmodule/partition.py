@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from .autodiff import build_gradient, differentiable_values
 from .export import ExportedModel
+from .passes import run_forward_passes
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
 # Size and the integer arithmetic on their results) run in the forward model instead: saving a
@@ -149,6 +150,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     graph = model.graph
     initializers = [ir.serde.serialize_tensor(v.const_value) for v in graph.initializers.values()]
     init_values = set(graph.initializers.values())
+    run_forward_passes(graph)
     inputs = list(graph.inputs)
     wrt = [v for v in inputs if requires_grad.get(v.name, False)]
     n_user = exported.num_user_outputs

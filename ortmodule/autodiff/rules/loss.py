@@ -46,11 +46,15 @@ def _per_sample_coefficient(g: GradBuilder, node: ir.Node, scores: ir.Value, lab
     return g.op("Unsqueeze", [coef, g.ints([1])], dtype=dtype), safe
 
 
-def _one_hot(g: GradBuilder, safe_labels: ir.Value, scores: ir.Value) -> ir.Value:
-    # A 0-d depth: the spec also allows shape [1], but not every runtime does (onnx.reference).
-    depth = g.op("Gather", [g.shape_of(scores), g.const(1)], {"axis": 0}, dtype=ir.DataType.INT64)
-    values = g.const([0.0, 1.0], scores.dtype)
-    return g.op("OneHot", [safe_labels, depth, values], {"axis": 1}, dtype=scores.dtype)
+def _add_at_labels(g: GradBuilder, base: ir.Value, safe_labels: ir.Value, updates: ir.Value) -> ir.Value:
+    """``base`` plus ``updates`` (shape [N, 1, d...]) at the label positions along axis 1.
+
+    # NOTE [no one-hot]: a ScatterElements(add) touches N entries where a OneHot would build and
+    # multiply an [N, C] tensor (GPT-2's LM loss: C = 50257, measured 117 ms of a 660 ms backward).
+    """
+    index = g.op("Unsqueeze", [safe_labels, g.ints([1])], dtype=safe_labels.dtype)
+    return g.op("ScatterElements", [base, index, updates], {"axis": 1, "reduction": "add"},
+                dtype=base.dtype, shape=base.shape)
 
 
 @register("SoftmaxCrossEntropyLoss")
@@ -63,7 +67,7 @@ def softmax_cross_entropy_grad(g: GradBuilder, node: ir.Node, dys):
     dscores = None
     if dys[0] is not None:
         coef, safe = _per_sample_coefficient(g, node, scores, labels, dys[0])
-        dscores = g.mul(g.op("Sub", [prob, _one_hot(g, safe, scores)]), coef)
+        dscores = _add_at_labels(g, g.mul(prob, coef), safe, g.neg(coef))
     if len(dys) > 1 and dys[1] is not None:  # through the log_prob output, as LogSoftmax
         s = g.op("ReduceSum", [dys[1], g.ints([1])], {"keepdims": 1})
         d_lp = g.op("Sub", [dys[1], g.mul(prob, s)])
@@ -75,5 +79,7 @@ def softmax_cross_entropy_grad(g: GradBuilder, node: ir.Node, dys):
 def nll_loss_grad(g: GradBuilder, node: ir.Node, dys):
     inp, labels = node.inputs[0], node.inputs[1]
     coef, safe = _per_sample_coefficient(g, node, inp, labels, dys[0])
-    d = g.neg(g.mul(_one_hot(g, safe, inp), coef))
+    zeros = g.op("ConstantOfShape", [g.shape_of(inp)], {"value": ir.tensor([0.0], dtype=inp.dtype)},
+                 dtype=inp.dtype, shape=inp.shape)
+    d = _add_at_labels(g, zeros, safe, g.neg(coef))
     return [d, None] + [None] * (len(node.inputs) - 2)
