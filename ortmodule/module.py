@@ -17,7 +17,7 @@ import psutil
 import torch
 from torch import nn
 
-from .errors import ExportError, GradientRuleError
+from .errors import ExportError, GradientRuleError, ORTModuleError
 from .export import export_module
 from .export.dynamic import DynamicExport
 from .export.torchscript import ExportedModel, input_name, mask_name
@@ -298,9 +298,20 @@ class ORTModule(nn.Module):
     def _build(self, exported, device, requires_grad) -> CompiledEntry:
         if requires_grad is not None:
             self._stats.gradient_builds += 1
-        entry = CompiledEntry(exported, device, requires_grad, stats=self._stats,
-                              profile_prefix=self._options.debug.profile_prefix)
+        try:
+            entry = CompiledEntry(exported, device, requires_grad, stats=self._stats,
+                                  profile_prefix=self._options.debug.profile_prefix)
+        except ORTModuleError:
+            raise
+        except Exception as exc:  # partition/shape bookkeeping on a graph we did not foresee
+            raise GradientRuleError(f"building the training graphs failed: {type(exc).__name__}: {exc}") from exc
         self._save_graphs(entry)
+        try:
+            # Sessions are created now, not on first use, so that a graph onnxruntime cannot load
+            # (e.g. no kernel for an op at this dtype) falls back here instead of failing mid-step.
+            entry.create_sessions()
+        except Exception as exc:
+            raise ExportError(f"onnxruntime could not load the graph: {type(exc).__name__}: {exc}") from exc
         return entry
 
     def _export_for(self, sig, flat, params, param_names, buffers, buffer_names) -> ExportedModel:

@@ -607,6 +607,17 @@ def test_fallback_warns_once_and_matches_eager(cls, expect):
     assert wrapped.stats.fallbacks == 1 and expect in wrapped.stats.last_fallback_reason
 
 
+def test_graph_onnxruntime_cannot_load_falls_back():
+    # onnxruntime's CPU provider has no bfloat16 Gemm: session creation fails, eager runs instead.
+    eager, wrapped = both(seeded(lambda: nn.Linear(4, 4)).to(torch.bfloat16))
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="onnxruntime could not load"):
+        out = wrapped(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, eager(x))
+    out.float().sum().backward()
+    assert wrapped.module.weight.grad is not None
+
+
 def test_missing_rule_message_names_op_node_and_module():
     wrapped = ORTModule(seeded(NoRule), fallback="raise")
     with pytest.raises(ortmodule.GradientRuleError) as info:

@@ -14,7 +14,8 @@ from .session import GraphRunner, make_session_options
 class CompiledEntry:
     """The forward graph of one signature and, when gradients are needed, its training graphs.
 
-    The backward session is created lazily on the first backward (STYLE.md §7).
+    Sessions are created on first use or by :meth:`create_sessions` (ORTModule calls it when it
+    builds the entry, so that load errors can still fall back to eager).
     """
 
     def __init__(
@@ -65,6 +66,13 @@ class CompiledEntry:
             assert self.graphs is not None
             self._backward = self._runner(self.graphs.backward)
         return self._backward
+
+    def create_sessions(self) -> None:
+        """Create the sessions this entry runs: forward and backward, or inference only."""
+        if self.graphs is None:
+            _ = self.inference
+        else:
+            _ = self.forward, self.backward
 
     def end_profiling(self) -> list[str]:
         runners = (self._inference, self._forward, self._backward)
