@@ -81,3 +81,36 @@ def test_batchnorm_no_grad_training_updates_stats():
         wrapped(x)
     for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
         assert_close(bo.float(), be.float(), 1e-5, f"buffer {n}")
+
+
+class Zoo(nn.Module):
+    """Layers beyond the basic CNN: GroupNorm, LayerNorm, Conv1d, ConvTranspose2d, AvgPool, SiLU, Mish,
+    LeakyReLU, ELU, Hardswish, Embedding — each exported op must have a rule and match eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.conv1d = nn.Conv1d(8, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(2, 4, 2, stride=2)
+        self.gn = nn.GroupNorm(2, 4)
+        self.pool = nn.AvgPool2d(2)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        h = self.emb(tokens).transpose(1, 2)  # [B, 8, T]
+        h = F.silu(self.conv1d(h))
+        h = h.reshape(h.shape[0], 2, 4, 8)  # [B, 2, 4, 8] as an image
+        h = F.mish(self.gn(self.up(h)))  # [B, 4, 8, 16]
+        h = F.leaky_relu(self.pool(h), 0.1) + F.elu(self.pool(h)) + F.hardswish(self.pool(h))
+        h = self.ln(h.mean(1).reshape(h.shape[0], -1)[:, :16])
+        return self.head(h)
+
+
+def test_layer_zoo_parity():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 20, (3, 8), generator=g), torch.randint(0, 3, (3,), generator=g)) for _ in range(3)]
+    torch.manual_seed(0)
+    train_side_by_side(Zoo(), data, lambda out, b: F.cross_entropy(out, b[1]), rtol=1e-4,
+                       kwargs_fn=lambda b: {"tokens": b[0]})
