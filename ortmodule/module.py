@@ -44,7 +44,7 @@ class Stats:
     cache_misses: int = 0
     fallbacks: int = 0
     last_fallback_reason: str | None = None
-    peak_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # sampled when graphs are built and every 64th cached call
 
     @property
     def reexports(self) -> int:
@@ -214,6 +214,8 @@ class ORTModule(nn.Module):
                 self._entries.put(sig, entry)
             else:
                 self._stats.cache_hits += 1
+                if self._stats.cache_hits % 64 == 0:  # psutil costs ~20 us: sample, don't poll
+                    self._stats.update_rss()
         if entry is _FALLBACK:
             return module(*args, **kwargs)
 
