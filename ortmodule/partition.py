@@ -193,13 +193,13 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     moved_set = set(moved)
     bwd_nodes = _needed_nodes([n for n in bwd_all if n not in moved_set], bwd_result_values)
     # Constant nodes of the forward that the backward reads are copied there rather than saved.
-    copied = []
+    in_backward = set(bwd_nodes)
+    copied: list[ir.Node] = []
     for node in bwd_nodes:
         for v in node.inputs:
             p = v.producer() if v is not None else None
-            if p is not None and p.op_type == "Constant" and p not in moved_set and p not in copied:
-                if v not in moved_out and p not in bwd_nodes:
-                    copied.append(p)
+            if p is not None and p.op_type == "Constant" and p not in in_backward and p not in copied:
+                copied.append(p)
     bwd_nodes = copied + bwd_nodes
 
     # Saved values: what the backward reads that it does not compute, other than output grads.
@@ -221,13 +221,13 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     saved_outputs = [v for v in saved if v not in input_set]
 
     # Forward model: exported nodes + moved shape nodes, outputs = user outputs, buffers, saved.
-    fwd_out_values = outputs + [v for v in saved_outputs if v not in set(outputs)]
+    output_set = set(outputs)
+    fwd_out_values = outputs + [v for v in saved_outputs if v not in output_set]
     fwd_keep = _needed_nodes(fwd_nodes + consts + moved, fwd_out_values)
     forward = _make_model(
         fwd_keep,
         [_value_info(v) for v in inputs],
-        [_value_info(v) for v in outputs]
-        + [_value_info(v) for v in saved_outputs if v not in set(outputs)],
+        [_value_info(v) for v in fwd_out_values],
         initializers,
         dict(model.opset_imports),
         "ortmodule_forward",
@@ -243,8 +243,8 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         out_names.append(name)
         bwd_outputs.append(_value_info(gv, name))
         extra_nodes.append(onnx.helper.make_node("Identity", [gv.name], [name], name=f"Identity_{name}"))
-    used = {v for n in bwd_nodes for v in n.inputs if v is not None} | set(bwd_result_values)
-    bwd_initializers = [t for t in initializers if any(t.name == v.name for v in used)]
+    used = {v.name for n in bwd_nodes for v in n.inputs if v is not None} | {v.name for v in bwd_result_values}
+    bwd_initializers = [t for t in initializers if t.name in used]
     backward = _make_model(
         bwd_nodes,
         [_value_info(v) for v in saved] + [_value_info(v) for v in grad_out_vals],
