@@ -124,6 +124,14 @@ CASES: list[OpCase] = [
     # -- MaxPool -------------------------------------------------------------------------------------
     OpCase("MaxPool", "MaxPool2d_k2s2", [_distinct(2, 3, 6, 6)],
            lambda x: F.max_pool2d(x, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    # Tiled windows with ties (NOTE [tiled maxpool]): the gradient goes to the first max, as in torch.
+    OpCase("MaxPool", "MaxPool2d_k2s2_ties", [np.random.default_rng(5).integers(0, 3, (2, 3, 6, 8)).astype(np.float32)],
+           lambda x: F.max_pool2d(x, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]},
+           fd_check=False),  # not differentiable at ties
+    OpCase("MaxPool", "MaxPool2d_k2x3_rect", [_distinct(2, 2, 6, 9)],
+           lambda x: F.max_pool2d(x, (2, 3), (2, 3)), {"kernel_shape": [2, 3], "strides": [2, 3]}),
+    OpCase("MaxPool", "MaxPool2d_k2s2_remainder", [_distinct(2, 2, 7, 7)],
+           lambda x: F.max_pool2d(x, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]}),
     OpCase("MaxPool", "MaxPool2d_overlap", [_distinct(2, 2, 5, 6)],
            lambda x: F.max_pool2d(x, 3, 1), {"kernel_shape": [3, 3]},
            fd_check=False),  # NOTE [onnx.reference gaps]
