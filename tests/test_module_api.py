@@ -533,6 +533,22 @@ def test_parameter_replaced_is_used():
     assert new.grad is not None
 
 
+def test_parameter_data_swapped_in_place_is_seen():
+    # NOTE [bound parameters]: the OrtValue bound for a parameter is reused only while its storage is.
+    eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh())))
+    x = torch.randn(3, 4)
+    wrapped(x).sum().backward()
+    new = torch.randn(4, 4)
+    eager[0].weight.data = new.clone()
+    wrapped.module[0].weight.data = new.clone()
+    assert_close(wrapped(x), eager(x), 1e-6, "output after .data swap")
+    with torch.no_grad():
+        eager[0].bias.mul_(3)
+        wrapped.module[0].bias.mul_(3)
+    assert_close(wrapped(x), eager(x), 1e-6, "output after an in-place update")
+    assert wrapped.stats.exports == 1
+
+
 def test_submodule_replaced_with_other_shape_reexports():
     eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))))
     x = torch.randn(3, 4)

@@ -28,6 +28,10 @@ class CompiledEntry:
     ) -> None:
         self.exported = exported
         self.profile_prefix = profile_prefix
+        # Parameters and buffers: the forward graph's inputs other than user inputs and dropout masks.
+        self.stable_inputs = frozenset(
+            vi.name for vi in exported.model.graph.input if not vi.name.startswith(("input:", "dropout:"))
+        )
         self.device = device
         self.stats = stats
         self.graphs: TrainingGraphs | None = None
@@ -42,7 +46,8 @@ class CompiledEntry:
 
     def _runner(self, model) -> GraphRunner:
         t0 = time.perf_counter()
-        runner = GraphRunner(model, self.device, make_session_options(profile_prefix=self.profile_prefix))
+        runner = GraphRunner(model, self.device, make_session_options(profile_prefix=self.profile_prefix),
+                             stable_inputs=self.stable_inputs)
         if self.stats is not None:
             self.stats.session_create_s += time.perf_counter() - t0
         return runner

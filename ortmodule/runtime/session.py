@@ -79,8 +79,16 @@ class GraphRunner:
         model: onnx.ModelProto,
         device: torch.device,
         options: ort.SessionOptions | None = None,
+        stable_inputs: frozenset[str] = frozenset(),
     ) -> None:
         self.device = device
+        # NOTE [bound parameters]: parameters and buffers keep their storage from step to step (the
+        # optimizer updates them in place), so their OrtValues are made once and reused while the
+        # tensor's data pointer, shape and dtype stay the same. A cached OrtValue holds the old
+        # storage alive, so an equal data pointer means the same storage. Activations are never
+        # cached: that would keep a step's tensors alive into the next.
+        self._stable = stable_inputs
+        self._bound: dict[str, tuple] = {}
         self.session = ort.InferenceSession(
             model.SerializeToString(), options or make_session_options(), providers=providers_for(device)
         )
@@ -98,6 +106,14 @@ class GraphRunner:
         binding = C.SessionIOBinding(self._sess)
         for name in self.input_names:
             t = feeds[name]
+            if name in self._stable and t.is_contiguous():
+                key = (t.data_ptr(), t.shape, t.dtype)
+                hit = self._bound.get(name)
+                if hit is None or hit[0] != key:
+                    hit = (key, C.OrtValue.from_dlpack(t.detach().__dlpack__()))
+                    self._bound[name] = hit
+                binding.bind_ortvalue_input(name, hit[1])
+                continue
             if not t.is_contiguous():
                 t = t.contiguous()
             binding.bind_ortvalue_input(name, C.OrtValue.from_dlpack(t.detach().__dlpack__()))
