@@ -76,6 +76,10 @@ CASES: list[OpCase] = [
     # -- Conv ---------------------------------------------------------------------------------------
     OpCase("Conv", "Conv2d_bias_pad1", [_r(2, 3, 7, 7), _r(4, 3, 3, 3), _r(4)],
            lambda x, w, b: F.conv2d(x, w, b, padding=1), {"pads": [1, 1, 1, 1]}),
+    # stride 1, no dilation, group 1: the im2col weight gradient (NOTE [wgrad im2col])
+    OpCase("Conv", "Conv2d_1x1", [_r(2, 3, 5, 4), _r(4, 3, 1, 1)], lambda x, w: F.conv2d(x, w), {}),
+    OpCase("Conv", "Conv2d_rect_kernel_asym_pads", [_r(2, 3, 6, 7), _r(4, 3, 5, 3)],
+           lambda x, w: F.conv2d(F.pad(x, (1, 0, 2, 1)), w), {"pads": [2, 1, 1, 0]}),
     OpCase("Conv", "Conv2d_stride2_asym_pads", [_r(2, 3, 7, 8), _r(4, 3, 3, 3)],
            lambda x, w: F.conv2d(F.pad(x, (0, 1, 1, 2)), w, stride=2),
            {"strides": [2, 2], "pads": [1, 0, 2, 1]}),

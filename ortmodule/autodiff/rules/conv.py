@@ -125,6 +125,9 @@ def _weight_grad(
     r = geo.rank
     spatial = list(range(2, 2 + r))
     dtype = x.dtype
+    fast = _weight_grad_im2col(g, x, dy, geo, group, c_in, c_out)
+    if fast is not None:
+        return fast
     if group == 1:
         xt = g.op("Transpose", [x], {"perm": [1, 0, *spatial]}, dtype=dtype)
         dyt = g.op("Transpose", [dy], {"perm": [1, 0, *spatial]}, dtype=dtype)
@@ -159,6 +162,41 @@ def _weight_grad(
     if crop:
         dw = g.op("Slice", [dw, g.ints([0] * r), g.ints(list(geo.kernel)), g.ints(spatial)], dtype=dtype)
     return g.op("Transpose", [dw], {"perm": [1, 0, *spatial]}, dtype=dtype)
+
+
+def _weight_grad_im2col(
+    g: GradBuilder, x: ir.Value, dy: ir.Value, geo: WindowGeometry, group: int, c_in: int, c_out: int
+) -> ir.Value | None:
+    """dW of a 2-D, ungrouped, stride-1, undilated Conv as one GEMM over explicit columns, or None.
+
+    # NOTE [wgrad im2col]: the Conv formulation above runs as many skinny GEMMs in onnxruntime (a
+    # "kernel" the size of the image); here X^T [C, N, H, W] is padded, each of the kh*kw shifted
+    # windows is a Slice, and they are stacked C-major to columns [C*kh*kw, N*Ho*Wo] without a
+    # transpose of the big tensor, so dW = dY^T[M, N*Ho*Wo] @ cols^T. Measured for 32->64 channels,
+    # 16x16, batch 32: 8.9 ms against 15.0 ms (torch/oneDNN: 6 ms).
+    """
+    if group != 1 or geo.rank != 2 or any(s != 1 for s in geo.strides) or any(d != 1 for d in geo.dilations):
+        return None
+    kh, kw = geo.kernel
+    ho, wo = geo.out_size
+    if kh * kw > 25:
+        return None
+    dtype = x.dtype
+    xt = g.op("Transpose", [x], {"perm": [1, 0, 2, 3]}, dtype=dtype)  # [C, N, H, W]
+    pads = [0, 0, geo.pads_begin[0], geo.pads_begin[1], 0, 0, geo.pads_end[0], geo.pads_end[1]]
+    if any(pads):
+        xt = g.op("Pad", [xt, g.ints(pads)], dtype=dtype)
+    windows = []
+    for i in range(kh):
+        for j in range(kw):
+            win = g.op("Slice", [xt, g.ints([i, j]), g.ints([i + ho, j + wo]), g.ints([2, 3])], dtype=dtype)
+            windows.append(g.op("Unsqueeze", [win, g.ints([1])], dtype=dtype))
+    cols = windows[0] if len(windows) == 1 else g.op("Concat", windows, {"axis": 1}, dtype=dtype)
+    cols = g.op("Reshape", [cols, g.ints([c_in * kh * kw, -1])], dtype=dtype)  # [C*kh*kw, N*Ho*Wo]
+    dyt = g.op("Transpose", [dy], {"perm": [1, 0, 2, 3]}, dtype=dtype)
+    dyt = g.op("Reshape", [dyt, g.ints([c_out, -1])], dtype=dtype)  # [M, N*Ho*Wo]
+    dw = g.op("Gemm", [dyt, cols], {"transB": 1}, dtype=dtype)  # [M, C*kh*kw]
+    return g.op("Reshape", [dw, g.ints([c_out, c_in, kh, kw])], dtype=dtype)
 
 
 def _static_dim(v: ir.Value, axis: int, what: str, op_type: str) -> int:
