@@ -35,8 +35,10 @@ class ORTFunction(torch.autograd.Function):
         by_name = dict(zip(graphs.forward_outputs, outs))
         ctx.entry = entry
         ctx.names = names
-        ctx.saved_output_values = [by_name[n] for n in graphs.saved_outputs]
-        ctx.save_for_backward(*[feeds[n] for n in graphs.saved_inputs])
+        # NOTE [saved values]: intermediates are saved through save_for_backward too, so autograd
+        # frees them after the backward (or keeps them for retain_graph=True), as in eager.
+        ctx.save_for_backward(*[feeds[n] for n in graphs.saved_inputs],
+                              *[by_name[n] for n in graphs.saved_outputs])
         user = outs[:n_user]
         diff = set(graphs.diff_outputs)
         non_diff = [t for i, t in enumerate(user) if i not in diff]
@@ -50,11 +52,9 @@ class ORTFunction(torch.autograd.Function):
         entry: CompiledEntry = ctx.entry
         graphs = entry.graphs
         assert graphs is not None
-        feeds = dict(zip(graphs.saved_inputs, ctx.saved_tensors))
-        feeds.update(zip(graphs.saved_outputs, ctx.saved_output_values))
+        feeds = dict(zip(graphs.saved_inputs + graphs.saved_outputs, ctx.saved_tensors))
         n_saved = len(graphs.saved_inputs) + len(graphs.saved_outputs)
         for name, i in zip(graphs.backward_inputs[n_saved:], graphs.diff_outputs):
             feeds[name] = grad_outputs[i]
         results = dict(zip(graphs.grad_targets, entry.backward.run(feeds)))
-        ctx.saved_output_values = None  # free the saved activations as soon as they are used
         return (None, None, None, *[results.get(n) for n in ctx.names])

@@ -297,6 +297,18 @@ def test_unused_parameters_get_no_grad():
     check_grads(eager, wrapped)
 
 
+def test_retain_graph_and_second_backward_like_eager():
+    eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))))
+    x = torch.randn(3, 4)
+    for m in (eager, wrapped):
+        out = m(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()  # gradients accumulate twice
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.backward()
+    check_grads(eager, wrapped)
+
+
 def test_several_calls_before_one_backward():
     eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))))
     xs = [torch.randn(3, 4) for _ in range(3)]
