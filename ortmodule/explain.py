@@ -76,13 +76,12 @@ class Explanation:
 
 def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
     """Export ``model`` on the given inputs (no training step, no state change) and report."""
-    from .module import ORTModule, _unique_with_names
+    from .module import ORTModule, module_state
 
     module = model.module if isinstance(model, ORTModule) else model
     name = type(module).__name__
     flat = flatten_inputs(args, kwargs)
-    params, param_names = _unique_with_names(module.named_parameters(remove_duplicate=False))
-    buffers, buffer_names = _unique_with_names(module.named_buffers(remove_duplicate=False))
+    params, param_names, buffers, buffer_names = module_state(module)
     try:
         exported = export_module(module, flat, params, param_names, buffers, buffer_names)
     except Exception as exc:

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 from .runtime.entry import CompiledEntry
 
 
-def _write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tensor]) -> None:
+def write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tensor]) -> None:
     with torch.no_grad():
         for buf, new in zip(buffers, new_values):
             buf.copy_(new)
@@ -31,7 +31,7 @@ class ORTFunction(torch.autograd.Function):
         outs = entry.forward.run(feeds)
         n_user = entry.exported.num_user_outputs
         n_mut = len(mutated)
-        _write_back(mutated, outs[n_user : n_user + n_mut])
+        write_back(mutated, outs[n_user : n_user + n_mut])
         by_name = dict(zip(graphs.forward_outputs, outs))
         ctx.entry = entry
         ctx.names = names

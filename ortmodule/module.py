@@ -21,7 +21,7 @@ from .errors import ExportError, GradientRuleError, ORTModuleError
 from .export import export_module
 from .export.dynamic import DynamicExport
 from .export.torchscript import ExportedModel, input_name, mask_name
-from .function import ORTFunction
+from .function import ORTFunction, write_back
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, logger
 from .runtime.cache import LRUCache
@@ -54,6 +54,13 @@ class Stats:
     def update_rss(self) -> None:
         rss = psutil.Process().memory_info().rss / 2**20
         self.peak_rss_mb = max(self.peak_rss_mb, rss)
+
+
+def module_state(module: nn.Module):
+    """(params, param_names, buffers, buffer_names) of ``module``: unique tensors, all their names."""
+    params, param_names = _unique_with_names(module.named_parameters(remove_duplicate=False))
+    buffers, buffer_names = _unique_with_names(module.named_buffers(remove_duplicate=False))
+    return params, param_names, buffers, buffer_names
 
 
 def _unique_with_names(named: Iterator[tuple[str, torch.Tensor]]):
@@ -196,14 +203,10 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         flat = flatten_inputs(args, kwargs)
-        named_p = list(module.named_parameters(remove_duplicate=False))
-        named_b = list(module.named_buffers(remove_duplicate=False))
-        params, param_names = _unique_with_names(named_p)
-        buffers, buffer_names = _unique_with_names(named_b)
+        params, param_names, buffers, buffer_names = module_state(module)
         modes = tuple(m.training for m in module.modules())
-        sig = make_signature(
-            flat, params, buffers, tuple(n for n, _ in named_p + named_b), modes, _autocast_state()
-        )
+        layout = tuple(n for group in param_names + buffer_names for n in group)
+        sig = make_signature(flat, params, buffers, layout, modes, _autocast_state())
         needs_grad = sig.grad_enabled and any(s.requires_grad for s in sig.inputs + sig.params)
         with self._lock:
             entry = self._entries.get(sig)
@@ -236,9 +239,7 @@ class ORTModule(nn.Module):
             feeds = {n: t.detach() for n, t in zip(names, tensors)}
             results = entry.inference.run(feeds)
             n_user = exported.num_user_outputs
-            with torch.no_grad():
-                for buf, new in zip(mutated, results[n_user:]):
-                    buf.copy_(new)
+            write_back(mutated, results[n_user:])
             outs = results[:n_user]
         return exported.output_spec.rebuild(outs, flat.tensors)
 

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from .autodiff import build_gradient, differentiable_values
 from .export import ExportedModel
+from .export.torchscript import input_name, mask_name
 from .passes import run_forward_passes
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
@@ -105,8 +106,8 @@ def reference_dim_values(exported: ExportedModel) -> dict[str, int]:
     shape loudly rather than training wrongly.
     """
     concrete = onnx.ModelProto.FromString(exported.model.SerializeToString())
-    sizes = dict(zip([f"input:{i}" for i in range(len(exported.input_shapes))], exported.input_shapes))
-    sizes.update({f"dropout:{k}": spec.shape for k, spec in enumerate(exported.masks)})
+    sizes = {input_name(i): shape for i, shape in enumerate(exported.input_shapes)}
+    sizes.update({mask_name(k): spec.shape for k, spec in enumerate(exported.masks)})
     for vi in concrete.graph.input:
         if vi.name in sizes:
             for dim, size in zip(vi.type.tensor_type.shape.dim, sizes[vi.name]):

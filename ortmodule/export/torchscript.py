@@ -28,6 +28,11 @@ def mask_name(i: int) -> str:
     return f"dropout:{i}"
 
 
+def is_state_input(name: str) -> bool:
+    """A graph input that is a parameter or buffer (not a user input nor a dropout mask)."""
+    return not name.startswith(("input:", "dropout:"))
+
+
 def _dynamic_axes(flat: FlatInputs) -> dict[str, dict[int, str]]:
     return {input_name(i): {d: f"input{i}_dim{d}" for d in range(t.dim())} for i, t in enumerate(flat.tensors)}
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from ..export import ExportedModel
+from ..export.torchscript import is_state_input
 from ..partition import TrainingGraphs, build_training_graphs
 from .session import GraphRunner, make_session_options
 
@@ -30,7 +31,7 @@ class CompiledEntry:
         self.profile_prefix = profile_prefix
         # Parameters and buffers: the forward graph's inputs other than user inputs and dropout masks.
         self.stable_inputs = frozenset(
-            vi.name for vi in exported.model.graph.input if not vi.name.startswith(("input:", "dropout:"))
+            vi.name for vi in exported.model.graph.input if is_state_input(vi.name)
         )
         self.device = device
         self.stats = stats
