@@ -35,6 +35,8 @@ class ORTFunction(torch.autograd.Function):
         by_name = dict(zip(graphs.forward_outputs, outs))
         ctx.entry = entry
         ctx.names = names
+        ctx.set_materialize_grads(False)  # NOTE [absent output grads]
+        ctx.out_meta = [(t.shape, t.dtype, t.device) for t in outs[:n_user]]
         # NOTE [saved values]: intermediates are saved through save_for_backward too, so autograd
         # frees them after the backward (or keeps them for retain_graph=True), as in eager.
         ctx.save_for_backward(*[feeds[n] for n in graphs.saved_inputs],
@@ -54,7 +56,18 @@ class ORTFunction(torch.autograd.Function):
         assert graphs is not None
         feeds = dict(zip(graphs.saved_inputs + graphs.saved_outputs, ctx.saved_tensors))
         n_saved = len(graphs.saved_inputs) + len(graphs.saved_outputs)
+        absent = frozenset(i for i in graphs.diff_outputs if grad_outputs[i] is None)
+        if len(absent) == len(graphs.diff_outputs):
+            return (None, None, None, *[None for _ in ctx.names])
+        special = entry.backward_without(absent) if absent else None
+        runner, targets = special if special is not None else (entry.backward, graphs.grad_targets)
         for name, i in zip(graphs.backward_inputs[n_saved:], graphs.diff_outputs):
-            feeds[name] = grad_outputs[i]
-        results = dict(zip(graphs.grad_targets, entry.backward.run(feeds)))
+            grad = grad_outputs[i]
+            if grad is None:
+                if special is not None:
+                    continue  # the specialised backward does not read it
+                shape, dtype, device = ctx.out_meta[i]
+                grad = torch.zeros(shape, dtype=dtype, device=device)
+            feeds[name] = grad
+        results = dict(zip(targets, runner.run(feeds)))
         return (None, None, None, *[results.get(n) for n in ctx.names])

@@ -297,6 +297,41 @@ def test_unused_parameters_get_no_grad():
     check_grads(eager, wrapped)
 
 
+class Heads(nn.Module):
+    """Three outputs from a shared trunk: a loss, big logits, and a head only some losses use."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 5)
+        self.aux = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.trunk(x))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits, y), logits, torch.cat([self.aux(h), logits], dim=1)
+
+
+@pytest.mark.parametrize("use", [(0,), (1,), (2,), (0, 1), (0, 2), (0, 1, 2)])
+def test_outputs_without_gradient_like_eager(use):
+    """NOTE [absent output grads]: outputs no loss reads get None, not zeros; grads match eager."""
+    eager, wrapped = both(seeded(Heads))
+    x, y = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    for _ in range(2):  # the second call reuses the specialised backward
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            outs = m(x, y)
+            sum(outs[i].sum() * (i + 1) for i in use).backward()
+        check_grads(eager, wrapped)
+    uses_aux = 2 in use
+    assert (wrapped.module.aux.weight.grad is None) == (not uses_aux)
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    absent = frozenset({0, 1, 2} - set(use))
+    if absent:
+        # the cat's backward slices the gradient of output 2; with it absent the pass must drop that
+        assert entry.backward_without(absent) is not None
+
+
 def test_retain_graph_and_second_backward_like_eager():
     eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))))
     x = torch.randn(3, 4)

@@ -9,6 +9,7 @@ import torch
 from ..export import ExportedModel
 from ..export.torchscript import is_state_input
 from ..partition import TrainingGraphs, build_training_graphs
+from ..passes.zero_grads import specialise_zero_grads
 from .session import GraphRunner, make_session_options
 
 
@@ -39,6 +40,8 @@ class CompiledEntry:
         self._inference: GraphRunner | None = None
         self._forward: GraphRunner | None = None
         self._backward: GraphRunner | None = None
+        # absent output-gradient positions -> (runner, grad targets) or None (NOTE [absent output grads])
+        self._partial_backward: dict[frozenset[int], tuple[GraphRunner, list[str]] | None] = {}
         if requires_grad is not None:
             t0 = time.perf_counter()
             self.graphs = build_training_graphs(exported, requires_grad)
@@ -73,6 +76,29 @@ class CompiledEntry:
             self._backward = self._runner(self.graphs.backward)
         return self._backward
 
+    def backward_without(self, absent: frozenset[int]) -> tuple[GraphRunner, list[str]] | None:
+        """The backward for when the gradients of user outputs ``absent`` are ``None``.
+
+        Returns the runner and the forward-input names its outputs are the gradients of, or ``None``
+        where the full backward must run on materialised zeros (NOTE [absent output grads]).
+        """
+        if absent not in self._partial_backward:
+            graphs = self.graphs
+            assert graphs is not None
+            n_saved = len(graphs.saved_inputs) + len(graphs.saved_outputs)
+            grad_inputs = graphs.backward_inputs[n_saved:]
+            zero = {name for name, i in zip(grad_inputs, graphs.diff_outputs) if i in absent}
+            t0 = time.perf_counter()
+            special = specialise_zero_grads(graphs.backward, zero)
+            if self.stats is not None:
+                self.stats.gradient_build_s += time.perf_counter() - t0
+            if special is None:
+                self._partial_backward[absent] = None
+            else:
+                target_of = dict(zip(graphs.backward_outputs, graphs.grad_targets))
+                self._partial_backward[absent] = (self._runner(special.model), [target_of[o] for o in special.outputs])
+        return self._partial_backward[absent]
+
     def create_sessions(self) -> None:
         """Create the sessions this entry runs: forward and backward, or inference only."""
         if self.graphs is None:
@@ -81,5 +107,6 @@ class CompiledEntry:
             _ = self.forward, self.backward
 
     def end_profiling(self) -> list[str]:
-        runners = (self._inference, self._forward, self._backward)
+        runners = [self._inference, self._forward, self._backward]
+        runners += [p[0] for p in self._partial_backward.values() if p is not None]
         return [r.session.end_profiling() for r in runners if r is not None]
