@@ -31,6 +31,8 @@ def _distinct(*shape: int) -> np.ndarray:
 #   wrong group size): the forward of a grouped ConvTranspose, and Conv's dX for such groups.
 # * MaxPool's 2-D Indices output is wrong for overlapping windows (stride < kernel) and with begin
 #   pads (it counts positions in the padded tensor); 1-D, 3-D and 2-D non-overlapping rows are checked.
+# * MaxUnpool (the MaxPool gradient for non-overlapping windows) misplaces values when its
+#   output_shape exceeds the minimal unpooled shape (a pooling remainder): it indexes the smaller one.
 # * GlobalMaxPool reduces the wrong axes unless the input is 4-D.
 # * Pad rejects negative pads.
 
@@ -135,7 +137,8 @@ CASES: list[OpCase] = [
     OpCase("MaxPool", "MaxPool2d_k2x3_rect", [_distinct(2, 2, 6, 9)],
            lambda x: F.max_pool2d(x, (2, 3), (2, 3)), {"kernel_shape": [2, 3], "strides": [2, 3]}),
     OpCase("MaxPool", "MaxPool2d_k2s2_remainder", [_distinct(2, 2, 7, 7)],
-           lambda x: F.max_pool2d(x, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+           lambda x: F.max_pool2d(x, 2, 2), {"kernel_shape": [2, 2], "strides": [2, 2]},
+           fd_check=False),  # NOTE [onnx.reference gaps]
     OpCase("MaxPool", "MaxPool2d_overlap", [_distinct(2, 2, 5, 6)],
            lambda x: F.max_pool2d(x, 3, 1), {"kernel_shape": [3, 3]},
            fd_check=False),  # NOTE [onnx.reference gaps]
@@ -160,7 +163,8 @@ CASES: list[OpCase] = [
            lambda x: F.max_pool1d(x, 3, 2), {"kernel_shape": [3], "strides": [2]}),
     OpCase("MaxPool", "MaxPool3d_k2", [_distinct(1, 2, 4, 5, 4)],
            lambda x: F.max_pool3d(x, 2, 2, padding=1),
-           {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2], "pads": [1, 1, 1, 1, 1, 1]}),
+           {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2], "pads": [1, 1, 1, 1, 1, 1]},
+           fd_check=False),  # NOTE [onnx.reference gaps]
     # -- AveragePool ---------------------------------------------------------------------------------
     OpCase("AveragePool", "AveragePool2d_exclude_pad", [_r(2, 3, 7, 6)],
            lambda x: F.avg_pool2d(x, 3, 2, padding=1, count_include_pad=False),
@@ -184,7 +188,8 @@ CASES: list[OpCase] = [
            lambda x: F.avg_pool1d(x, 3, 2), {"kernel_shape": [3], "strides": [2]}),
     OpCase("AveragePool", "AveragePool3d_pad", [_r(1, 2, 4, 5, 4)],
            lambda x: F.avg_pool3d(x, 2, 2, padding=1, count_include_pad=False),
-           {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2], "pads": [1, 1, 1, 1, 1, 1]}),
+           {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2], "pads": [1, 1, 1, 1, 1, 1]},
+           fd_check=False),  # NOTE [onnx.reference gaps]
     # -- Global pooling ------------------------------------------------------------------------------
     OpCase("GlobalAveragePool", "GlobalAveragePool2d", [_r(2, 3, 4, 5)],
            lambda x: x.mean((2, 3), keepdim=True)),
