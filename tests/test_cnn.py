@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,3 +115,31 @@ def test_layer_zoo_parity():
     torch.manual_seed(0)
     train_side_by_side(Zoo(), data, lambda out, b: F.cross_entropy(out, b[1]), rtol=1e-4,
                        kwargs_fn=lambda b: {"tokens": b[0]})
+
+
+class _ThreeNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 1, bias=False)  # a bias before BN has a ~0 gradient: AdamW amplifies noise
+        self.bn3, self.bn2 = nn.BatchNorm3d(3), nn.BatchNorm2d(3, momentum=0.3)
+        self.bn1 = nn.BatchNorm1d(3, affine=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn3(self.conv(x))).sum(-1)
+        h = torch.tanh(self.bn2(h)).sum(-1)
+        return self.bn1(h)
+
+
+@pytest.mark.filterwarnings("error")  # a fallback to eager would make the parity check vacuous
+def test_train_batchnorm_runs_on_its_batch_statistics():
+    """NOTE [batch-stats BN]: the exported train-mode BN becomes an affine node on the batch statistics
+    computed once in the forward; the gradient reuses them. Parity over 1-D, 2-D and 3-D BN with
+    affine and non-affine layers, gradients and running stats included."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 4, 4, 4)
+    wrapped = train_side_by_side(_ThreeNorms(), [(x,)], lambda out, _: (out * out.detach().sign()).mean(),
+                                 rtol=1e-4, steps=3)
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    bns = [n for n in entry.graphs.forward.graph.node if n.op_type == "BatchNormalization"]
+    assert len(bns) == 3
+    assert all(next(a.i for a in n.attribute if a.name == "training_mode") == 0 for n in bns)

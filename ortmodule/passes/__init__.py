@@ -28,7 +28,71 @@ def keep_log_prob(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (keep_log_prob,)
+BATCH_STATS_KEY = "pkg.ortmodule.batch_stats"
+
+
+def _const_ints(v: ir.Value | None) -> list[int] | None:
+    if v is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(v)
+    return None if tensor is None else [int(i) for i in tensor.numpy().reshape(-1)]
+
+
+def _reduce_mean_of(v: ir.Value | None, x: ir.Value, axes: list[int], keepdims: int) -> bool:
+    """Whether ``v`` is ``ReduceMean(x, axes, keepdims)`` (axes as input or attribute)."""
+    node = v.producer() if v is not None else None
+    if node is None or node.op_type != "ReduceMean" or node.domain != "" or node.inputs[0] is not x:
+        return False
+    a = node.attributes.get("axes")
+    got = list(a.value) if a is not None else _const_ints(node.inputs[1] if len(node.inputs) > 1 else None)
+    k = node.attributes.get("keepdims")
+    return got == axes and (1 if k is None else k.value) == keepdims
+
+
+def batch_stats_batch_norm(graph: ir.Graph) -> int:
+    """Run train-mode BatchNormalization as a plain affine on the batch statistics it is given.
+
+    # NOTE [batch-stats BN]: the exporter feeds each train-mode BatchNormalization the batch mean and
+    # biased variance it computed itself (NOTE [batchnorm stats]), as ReduceMean(x) and
+    # ReduceMean((x - mean(x))^2). ORT's training-mode kernel would compute them a second time, and
+    # the gradient rule a third. When a node's mean/var inputs are exactly those values and its
+    # running-stat outputs are unused, it becomes an inference-mode node (the same Y) marked
+    # ``pkg.ortmodule.batch_stats``, whose gradient rule uses the batch formula with the saved
+    # statistics (autodiff/rules/norm.py).
+    """
+    changed = 0
+    graph_outputs = set(graph.outputs)
+    for node in graph:
+        if node.op_type != "BatchNormalization" or node.domain != "" or len(node.inputs) < 5:
+            continue
+        training = node.attributes.get("training_mode")
+        if training is None or not training.value:
+            continue
+        x, _, _, mean, var = node.inputs[:5]
+        if x is None or x.shape is None or any(o.uses() or o in graph_outputs for o in node.outputs[1:]):
+            continue
+        axes = [0, *range(2, x.shape.rank())]
+        if not _reduce_mean_of(mean, x, axes, 0):
+            continue
+        var_node = var.producer() if var is not None else None
+        if var_node is None or not _reduce_mean_of(var, var_node.inputs[0], axes, 0):
+            continue
+        sq = var_node.inputs[0].producer()
+        if sq is None or sq.op_type != "Mul" or sq.inputs[0] is not sq.inputs[1]:
+            continue
+        centred = sq.inputs[0].producer()
+        if centred is None or centred.op_type != "Sub" or centred.inputs[0] is not x:
+            continue
+        if not _reduce_mean_of(centred.inputs[1], x, axes, 1):
+            continue
+        node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+        node.resize_outputs(1)
+        node.metadata_props[BATCH_STATS_KEY] = "1"
+        changed += 1
+    return changed
+
+
+FORWARD_PASSES = (keep_log_prob, batch_stats_batch_norm)
 
 
 def run_forward_passes(graph: ir.Graph) -> int:

@@ -7,6 +7,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ...errors import GradientRuleError, node_location
+from ...passes import BATCH_STATS_KEY
 from ..registry import GradBuilder, attr, input_or_none, register
 
 
@@ -59,7 +60,14 @@ def batch_norm_grad(g: GradBuilder, node: ir.Node, dys):
     axes = [0, *range(2, rank)]
     eps = float(attr(node, "epsilon", 1e-5))
     scale_b = _per_channel(g, scale, rank)
-    if int(attr(node, "training_mode", 0)):
+    if node.metadata_props.get(BATCH_STATS_KEY):
+        # NOTE [batch-stats BN]: mean/var are this batch's statistics (gradient-stopped, as torch's
+        # batch norm treats them through the batch formula): read them instead of recomputing.
+        invstd = _per_channel(g, g.op("Reciprocal", [g.op("Sqrt", [g.add(var, g.scalar_like(eps, var))])],
+                                      dtype=var.dtype), rank)
+        xhat = g.mul(g.op("Sub", [x, _per_channel(g, mean, rank)], dtype=x.dtype), invstd)
+        grads[0] = _normalize_backward(g, g.mul(dy, scale_b), xhat, invstd, axes)
+    elif int(attr(node, "training_mode", 0)):
         # Batch statistics: the input mean/var do not reach Y.
         xhat, _, invstd = _normalized(g, x, axes, eps)
         grads[0] = _normalize_backward(g, g.mul(dy, scale_b), xhat, invstd, axes)
