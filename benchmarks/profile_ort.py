@@ -35,7 +35,8 @@ def _summarise(path: str, steps: int, top: int, ops: set[str] | None = None) -> 
         op = e.get("args", {}).get("op_name", "?")
         by_type[op] += e["dur"]
         by_node[(e["name"][: -len("_kernel_time")], op)] += e["dur"]
-    # the last `steps` runs were profiled after warmup; earlier runs are warmup and excluded below
+    if not runs:
+        return ""  # a session that never ran (the full backward when an output grad is always None)
     total_nodes = sum(by_type.values()) / 1e3 / max(len(runs), 1)
     lines = [f"model_run: {len(runs)} runs, median {sorted(runs)[len(runs) // 2] / 1e3:.2f} ms; "
              f"kernels {total_nodes:.2f} ms per run", "", "| op type | ms/run | share |", "|---|---|---|"]
@@ -84,10 +85,12 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss_fn(bench_train._call(prof, inputs), target).backward()
         files = prof.end_profiling()
-        for name, path in zip(("forward", "backward"), files):
-            print(f"## {args.model}: {name} session\n")
-            print(_summarise(path, args.steps, args.top, set(filter(None, args.ops.split(",")))))
-            print()
+        for k, path in enumerate(files):  # forward, full backward, backward for absent output grads
+            summary = _summarise(path, args.steps, args.top, set(filter(None, args.ops.split(","))))
+            if summary:
+                print(f"## {args.model}: {'forward' if k == 0 else 'backward'} session\n")
+                print(summary)
+                print()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,16 @@ def test_dropout_masks_match_eager_under_the_same_seed():
             assert_close(po.grad, pe.grad, 1e-5, f"{n}.grad at step {step}")
 
 
+def test_dropout_output_bit_identical_to_eager():
+    drop = nn.Dropout(0.3)
+    wrapped = ORTModule(nn.Dropout(0.3))
+    x = torch.randn(64, 129)
+    torch.manual_seed(5)
+    expected = drop(x)
+    torch.manual_seed(5)
+    assert torch.equal(wrapped(x.requires_grad_()), expected)
+
+
 def test_dropout_reproducible_and_fresh_each_call():
     wrapped = ORTModule(dropout_mlp())
     x = torch.randn(16, 32)
