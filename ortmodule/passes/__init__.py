@@ -1,10 +1,12 @@
-"""Graph passes run on the forward graph before autodiff.
+"""Graph passes: on the forward graph before autodiff (``FORWARD_PASSES``), and lowerings of the
+partitioned forward model (``lower_softmax_cross_entropy``).
 
 Each pass changes the graph in place and returns how many nodes it changed (0: nothing to do).
 """
 
 from __future__ import annotations
 
+import onnx
 import onnx_ir as ir
 
 
@@ -92,7 +94,62 @@ def batch_stats_batch_norm(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (keep_log_prob, batch_stats_batch_norm)
+def drop_noop_casts(graph: ir.Graph) -> int:
+    """Remove Casts to the dtype their input already has.
+
+    # NOTE [no-op casts]: models upcast before a loss (HF GPT-2: ``logits.float()``); traced in
+    # fp32 that is a Cast FLOAT->FLOAT, which ORT keeps when its result is a graph output: a copy of
+    # the [tokens, vocab] logits (GPT-2: 10.7 ms per step). The Cast's uses, and its place among the
+    # graph outputs, go to its input, unless that input is a graph input or already an output.
+    """
+    changed = 0
+    inputs, outputs = set(graph.inputs), list(graph.outputs)
+    for node in list(graph):
+        if node.op_type != "Cast" or node.domain != "" or len(node.inputs) != 1:
+            continue
+        (x,), (y,) = node.inputs, node.outputs
+        to = node.attributes.get("to")
+        if x is None or x.dtype is None or to is None or int(to.value) != int(x.dtype):
+            continue
+        if y in outputs and (x in inputs or x in outputs):
+            continue
+        y.replace_all_uses_with(x, replace_graph_outputs=True)
+        outputs = list(graph.outputs)
+        graph.remove(node, safe=True)
+        changed += 1
+    return changed
+
+
+FORWARD_PASSES = (drop_noop_casts, keep_log_prob, batch_stats_batch_norm)
+
+
+def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -> int:
+    """In a forward model, split ``SoftmaxCrossEntropyLoss(scores [N, C], labels) -> (loss, log_prob)``
+    into ``LogSoftmax`` + ``NegativeLogLikelihoodLoss``.
+
+    # NOTE [lowered cross-entropy]: ORT runs SoftmaxCrossEntropyLoss as its ONNX function body, whose
+    # ``log_prob`` output is an Identity copy of the LogSoftmax result (GPT-2's [512, 50257]:
+    # 11 ms per step). Written out, the one LogSoftmax result is both the saved log_prob and the
+    # NLL's input. Run after autodiff (the gradient rule reads log_prob, NOTE [save log_prob]).
+    """
+    changed = 0
+    nodes = []
+    for node in model.graph.node:
+        if (node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx")
+                or len(node.output) != 2 or not node.output[1] or ranks.get(node.input[0]) != 2):
+            nodes.append(node)
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        nodes.append(onnx.helper.make_node("LogSoftmax", [node.input[0]], [node.output[1]], axis=1,
+                                           name=f"{node.name}/LogSoftmax"))
+        nodes.append(onnx.helper.make_node("NegativeLogLikelihoodLoss", [node.output[1], *node.input[1:]],
+                                           [node.output[0]], name=f"{node.name}/NLL", **attrs))
+        changed += 1
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
 
 
 def run_forward_passes(graph: ir.Graph) -> int:
