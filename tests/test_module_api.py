@@ -903,6 +903,45 @@ def test_loss_functions_inside_module():
     check_grads(eager, wrapped)
 
 
+class LossHead(nn.Module):
+    """Logits upcast with ``.float()`` (a no-op Cast in fp32) and returned beside a cross-entropy."""
+
+    def __init__(self, **ce):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.ce = ce
+
+    def forward(self, x, y, x_out):
+        logits = self.lin(x).float()
+        loss = F.cross_entropy(logits.flatten(0, -2) if logits.dim() > 2 else logits, y, **self.ce)
+        return loss, logits, x_out.float()
+
+
+@pytest.mark.parametrize("ce", [
+    {}, {"reduction": "sum"}, {"reduction": "none"}, {"ignore_index": 2},
+    {"weight": torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0, 1.0])},
+], ids=["mean", "sum", "none", "ignore_index", "weight"])
+@pytest.mark.filterwarnings("error")  # a fallback to eager would make the comparison vacuous
+@pytest.mark.parametrize("rank", [2, 3])
+def test_cross_entropy_and_noop_casts_like_eager(ce, rank):
+    """NOTE [lowered cross-entropy] and NOTE [no-op casts]: loss, outputs and grads match eager."""
+    eager, wrapped = both(seeded(lambda: LossHead(**ce)))
+    shape = (5, 4) if rank == 2 else (2, 3, 4)
+    x, x_out = torch.randn(*shape), torch.randn(3)
+    y = torch.randint(0, 6, (5,) if rank == 2 else (6,))
+    for m in (eager, wrapped):
+        m.zero_grad(set_to_none=True)
+        m.out = m(x, y, x_out)
+        (m.out[0].sum() + m.out[1].square().mean()).backward()
+    for a, b, what in zip(wrapped.out, eager.out, ("loss", "logits", "pass-through")):
+        assert_close(a, b, 1e-6, what)
+    check_grads(eager, wrapped)
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    ops = [n.op_type for n in entry.graphs.forward.graph.node]
+    assert "Cast" not in ops
+    assert "SoftmaxCrossEntropyLoss" not in ops and "NegativeLogLikelihoodLoss" in ops
+
+
 def test_forward_not_rerun_after_first_call():
     model = seeded(WithBuffers)
     wrapped = ORTModule(model)
