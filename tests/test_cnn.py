@@ -143,3 +143,23 @@ def test_train_batchnorm_runs_on_its_batch_statistics():
     bns = [n for n in entry.graphs.forward.graph.node if n.op_type == "BatchNormalization"]
     assert len(bns) == 3
     assert all(next(a.i for a in n.attribute if a.name == "training_mode") == 0 for n in bns)
+
+
+def test_batchnorm_and_cross_entropy_with_dynamic_batch():
+    """The forward passes (batch-stats BN, lowered cross-entropy) across batch sizes, the last one
+    partial: outputs, gradients and running statistics follow eager at every size."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 36, 5))
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    for b in (6, 4, 3, 6):
+        x, y = torch.randn(b, 3, 8, 8), torch.randint(0, 5, (b,))
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            m.loss = F.cross_entropy(m(x), y)
+            m.loss.backward()
+        assert_close(wrapped.loss, eager.loss, 1e-5, f"loss at batch {b}")
+        for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at batch {b}")
+        for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
+            assert_close(bo.float(), be.float(), 1e-5, f"{n} at batch {b}")
