@@ -6,6 +6,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
+from torch.utils.dlpack import from_dlpack
 
 _CPU_DEVICE = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
@@ -120,8 +121,7 @@ class GraphRunner:
         for name in self.output_names:
             binding.bind_output(name, self._out_device)
         self._sess.run_with_iobinding(binding, self._run_options)
-        return [_to_torch(v) for v in binding.get_outputs()]
-
-
-def _to_torch(value: C.OrtValue) -> torch.Tensor:
-    return torch.from_dlpack(value.to_dlpack())
+        # NOTE [output conversion]: OrtValueVector.to_dlpacks converts every output in one call
+        # (~0.5 us each); iterating the vector in Python copies each OrtValue wrapper (~8 us each,
+        # 86 us per run on the MLP's backward).
+        return binding.get_outputs().to_dlpacks(from_dlpack)
