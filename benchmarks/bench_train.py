@@ -12,7 +12,7 @@ alike. Each repetition times ``inner`` forward+loss+backward steps (forward and 
 separately) and ``inner`` full steps with AdamW (zero_grad + forward + loss + backward + step).
 
 Outputs: a Markdown table on stdout, ``<out-dir>/latest.json``, ``<out-dir>/speedup.png`` and, for a
-full (non ``--quick``) run, ``benchmarks/RESULTS.md``.
+default full run (every built-in model and mode), ``benchmarks/RESULTS.md``.
 
 Plugin models: ``--model pkg.module:factory`` or ``--model path/to/file.py:factory``. ``factory()``
 (or ``factory(quick=True)`` under ``--quick`` when it takes a ``quick`` argument) returns
@@ -687,8 +687,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=None, help="timed steps of each kind per rep")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
     ap.add_argument("--results-md", type=Path, default=None,
-                    help="write the table here (default: benchmarks/RESULTS.md for a full run, "
-                         "none for --quick)")
+                    help="write the table here (default: benchmarks/RESULTS.md for the default full "
+                         "run of every built-in model and mode; none otherwise)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -730,7 +730,10 @@ def main(argv=None) -> int:
             plot(results, args.out_dir / "speedup.png")
         except ImportError as e:
             _log(f"no chart: {e} (pip install -e '.[bench]')")
-    md_path = args.results_md or (None if args.quick else HERE / "RESULTS.md")
+    # Only the default full run (every built-in model, every mode, default plan) replaces the
+    # committed table; partial runs write it only where --results-md says.
+    default_run = not (args.quick or args.model or args.warmup or args.reps or args.inner) and modes == list(ALL_MODES)
+    md_path = args.results_md or (HERE / "RESULTS.md" if default_run else None)
     if md_path is not None:
         md_path.write_text(results_md(table, info, command) + "\n")
     print(table)
