@@ -3,6 +3,7 @@
     python benchmarks/profile_ort.py cnn               # a built-in model of bench_train.py
     python benchmarks/profile_ort.py bert --steps 3 --top 25
     python benchmarks/profile_ort.py my_module:factory # a plugin model (see bench_train.py)
+    python benchmarks/profile_ort.py gpt2 --ops Mul,Exp # list only these op types' nodes
 
 Runs ``--warmup`` full training steps, then ``--steps`` profiled forward+loss+backward steps, and
 prints, per session (forward / backward), the time per op type and the most expensive nodes, as
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ops", default="", help="comma-separated op types: list only these nodes")
+    ap.add_argument("--quick", action="store_true", help="the tiny shapes of bench_train.py --quick")
     args = ap.parse_args()
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -68,7 +70,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads or psutil.cpu_count(logical=False) or 1)
     torch.manual_seed(0)
-    model, make_batch, loss_fn = bench_train.build_model(args.model, quick=False)
+    model, make_batch, loss_fn = bench_train.build_model(args.model, quick=args.quick)
     model.train()
     plain = ORTModule(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -34,3 +34,15 @@ def test_bench_quick_mlp_eager_and_ortmodule(tmp_path):
     ort = modes["ortmodule"]
     assert {"forward_run", "backward_run", "torch_overhead"} <= ort["ort_breakdown_ms"].keys()
     assert {"export_s", "gradient_build_s", "session_create_s"} <= ort["first_call_breakdown_s"].keys()
+
+
+PROFILE = ROOT / "benchmarks" / "profile_ort.py"
+
+
+@pytest.mark.skipif(not PROFILE.exists(), reason="benchmarks/ not present")
+def test_profile_ort_quick_cnn():
+    cmd = [sys.executable, str(PROFILE), "cnn", "--quick", "--steps", "2", "--warmup", "1", "--top", "5"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "## cnn: forward session" in proc.stdout and "## cnn: backward session" in proc.stdout
+    assert "| Conv |" in proc.stdout, proc.stdout  # the forward's convolutions are in the op-type table
