@@ -332,6 +332,28 @@ def test_outputs_without_gradient_like_eager(use):
         assert entry.backward_without(absent) is not None
 
 
+class SoftmaxHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.softmax(h, dim=-1), (h * h).mean()
+
+
+def test_absent_output_grad_through_an_op_the_pass_does_not_know():
+    """A softmax output without gradient: its backward subtracts from the output grad, which
+    NOTE [absent output grads] does not propagate; the full backward runs on zeros instead."""
+    eager, wrapped = both(seeded(SoftmaxHead))
+    x = torch.randn(4, 6)
+    for m in (eager, wrapped):
+        m(x)[1].backward()
+    check_grads(eager, wrapped)
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    assert entry.backward_without(frozenset({0})) is None
+
+
 def test_retain_graph_and_second_backward_like_eager():
     eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))))
     x = torch.randn(3, 4)
