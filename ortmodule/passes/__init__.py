@@ -100,7 +100,8 @@ def drop_noop_casts(graph: ir.Graph) -> int:
     # NOTE [no-op casts]: models upcast before a loss (HF GPT-2: ``logits.float()``); traced in
     # fp32 that is a Cast FLOAT->FLOAT, which ORT keeps when its result is a graph output: a copy of
     # the [tokens, vocab] logits (GPT-2: 10.7 ms per step). The Cast's uses, and its place among the
-    # graph outputs, go to its input, unless that input is a graph input or already an output.
+    # graph outputs, go to its input, unless that input is a graph input, an initializer or already
+    # an output.
     """
     changed = 0
     inputs, outputs = set(graph.inputs), list(graph.outputs)
@@ -111,7 +112,7 @@ def drop_noop_casts(graph: ir.Graph) -> int:
         to = node.attributes.get("to")
         if x is None or x.dtype is None or to is None or int(to.value) != int(x.dtype):
             continue
-        if y in outputs and (x in inputs or x in outputs):
+        if y in outputs and (x in inputs or x in outputs or x.is_initializer()):
             continue
         y.replace_all_uses_with(x, replace_graph_outputs=True)
         outputs = list(graph.outputs)
