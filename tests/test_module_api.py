@@ -964,6 +964,26 @@ def test_cross_entropy_and_noop_casts_like_eager(ce, rank):
     assert "SoftmaxCrossEntropyLoss" not in ops and "NegativeLogLikelihoodLoss" in ops
 
 
+@pytest.mark.filterwarnings("error")
+def test_layer_norm_gradient_reads_saved_statistics():
+    """NOTE [save LN stats]: the forward LayerNorm also outputs Mean / InvStdDev for the backward."""
+    eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(),
+                                                       nn.LayerNorm(8, elementwise_affine=False))))
+    x = torch.randn(3, 5, 6) * 4 + 2
+    for m in (eager, wrapped):
+        m.out = m(x)
+        (m.out * torch.linspace(-1, 1, 8)).square().sum().backward()
+    assert_close(wrapped.out, eager.out, 1e-5, "output")
+    check_grads(eager, wrapped)
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    lns = [n for n in entry.graphs.forward.graph.node if n.op_type == "LayerNormalization"]
+    assert len(lns) == 2 and all(len(n.output) == 3 for n in lns)
+    # two ReduceMeans per LayerNorm gradient (of dxhat and dxhat * xhat); recomputing the statistics
+    # from x would add two more
+    means = [n for n in entry.graphs.backward.graph.node if n.op_type == "ReduceMean"]
+    assert len(means) == 4, [n.name for n in means]
+
+
 def test_forward_not_rerun_after_first_call():
     model = seeded(WithBuffers)
     wrapped = ORTModule(model)

@@ -121,7 +121,35 @@ def drop_noop_casts(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (drop_noop_casts, keep_log_prob, batch_stats_batch_norm)
+def keep_layer_norm_stats(graph: ir.Graph) -> int:
+    """Give every fp32 LayerNormalization its optional ``Mean`` and ``InvStdDev`` outputs.
+
+    # NOTE [save LN stats]: the kernel computes both anyway; saved (one value per row), they spare
+    # the gradient rule recomputing the mean, the variance and the normalised input from x (four
+    # passes over the activation per LayerNorm). Only fp32: the outputs come in the stash type.
+    """
+    changed = 0
+    for node in graph:
+        if node.op_type != "LayerNormalization" or node.domain != "" or len(node.outputs) != 1:
+            continue
+        x = node.inputs[0]
+        stash = node.attributes.get("stash_type")
+        if x is None or x.shape is None or x.dtype != ir.DataType.FLOAT or (stash is not None and stash.value != 1):
+            continue
+        rank = x.shape.rank()
+        a = node.attributes.get("axis")
+        axis = (a.value if a is not None else -1) % rank
+        y = node.outputs[0]
+        node.resize_outputs(3)
+        for out, suffix in zip(node.outputs[1:], (".mean", ".inv_std_dev")):
+            out.dtype = ir.DataType.FLOAT
+            out.shape = ir.Shape([*list(x.shape)[:axis], *([1] * (rank - axis))])
+            out.name = f"{y.name}{suffix}"
+        changed += 1
+    return changed
+
+
+FORWARD_PASSES = (drop_noop_casts, keep_log_prob, keep_layer_norm_stats, batch_stats_batch_norm)
 
 
 def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -> int:

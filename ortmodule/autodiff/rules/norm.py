@@ -141,7 +141,14 @@ def layer_norm_grad(g: GradBuilder, node: ir.Node, dys):
     axis = int(attr(node, "axis", -1)) % rank
     axes = list(range(axis, rank))
     eps = float(attr(node, "epsilon", 1e-5))
-    xhat, xc, invstd = _normalized(g, x, axes, eps)
+    saved = node.outputs[1:3] if len(node.outputs) == 3 else []
+    if len(saved) == 2 and all(v.name and v.dtype == x.dtype for v in saved):
+        # NOTE [save LN stats]: the forward's Mean / InvStdDev, not a recomputation
+        mean, invstd = saved
+        xc = g.op("Sub", [x, mean], dtype=x.dtype)
+        xhat = g.mul(xc, invstd)
+    else:
+        xhat, xc, invstd = _normalized(g, x, axes, eps)
     dy = dys[0]
     grads: list[ir.Value | None] = [None] * len(node.inputs)
     dx = None
