@@ -46,3 +46,21 @@ def test_profile_ort_quick_cnn():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "## cnn: forward session" in proc.stdout and "## cnn: backward session" in proc.stdout
     assert "| Conv |" in proc.stdout, proc.stdout  # the forward's convolutions are in the op-type table
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not present")
+def test_bench_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_train
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    mode = lambda full, fb, error=None: {"speedup_full": full, "speedup_fwd_bwd": fb, "error": error}
+    results = {
+        "mlp": {"modes": {"eager": mode(1.0, 1.0), "ortmodule": mode(1.1, 0.9)}},
+        "cnn": {"modes": {"eager": mode(1.0, 1.0), "ortmodule": mode(None, None, error="boom")}},
+    }
+    out = tmp_path / "speedup.png"
+    bench_train.plot(results, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
