@@ -9,6 +9,7 @@ import torch
 from ..export import ExportedModel
 from ..export.torchscript import is_state_input
 from ..partition import TrainingGraphs, build_training_graphs
+from ..passes.label_grad import fold_label_grad
 from ..passes.zero_grads import specialise_zero_grads
 from .session import GraphRunner, make_session_options
 
@@ -90,6 +91,8 @@ class CompiledEntry:
             zero = {name for name, i in zip(grad_inputs, graphs.diff_outputs) if i in absent}
             t0 = time.perf_counter()
             special = specialise_zero_grads(graphs.backward, zero)
+            if special is not None:
+                fold_label_grad(special.model)  # NOTE [label grad folding]
             if self.stats is not None:
                 self.stats.gradient_build_s += time.perf_counter() - t0
             if special is None:
