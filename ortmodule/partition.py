@@ -17,7 +17,6 @@ from .autodiff import build_gradient, differentiable_values
 from .export import ExportedModel
 from .export.torchscript import input_name, mask_name
 from .passes import lower_softmax_cross_entropy, run_forward_passes
-from .passes.label_grad import fold_label_grad
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
 # Size and the integer arithmetic on their results) run in the forward model instead: saving a
@@ -260,7 +259,6 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         "ortmodule_backward",
     )
     backward.graph.node.extend(extra_nodes)
-    fold_label_grad(backward)
     return TrainingGraphs(
         forward=forward,
         backward=backward,

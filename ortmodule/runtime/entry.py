@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
+import onnx
 import torch
 
 from ..export import ExportedModel
 from ..export.torchscript import is_state_input
 from ..partition import TrainingGraphs, build_training_graphs
-from ..passes.label_grad import fold_label_grad
+from ..passes.backward import run_backward_passes
 from ..passes.zero_grads import specialise_zero_grads
 from .session import GraphRunner, make_session_options
 
@@ -74,7 +75,7 @@ class CompiledEntry:
     def backward(self) -> GraphRunner:
         if self._backward is None:
             assert self.graphs is not None
-            self._backward = self._runner(self.graphs.backward)
+            self._backward = self._runner(_for_session(self.graphs.backward))
         return self._backward
 
     def backward_without(self, absent: frozenset[int]) -> tuple[GraphRunner, list[str]] | None:
@@ -91,15 +92,14 @@ class CompiledEntry:
             zero = {name for name, i in zip(grad_inputs, graphs.diff_outputs) if i in absent}
             t0 = time.perf_counter()
             special = specialise_zero_grads(graphs.backward, zero)
-            if special is not None:
-                fold_label_grad(special.model)  # NOTE [label grad folding]
             if self.stats is not None:
                 self.stats.gradient_build_s += time.perf_counter() - t0
             if special is None:
                 self._partial_backward[absent] = None
             else:
                 target_of = dict(zip(graphs.backward_outputs, graphs.grad_targets))
-                self._partial_backward[absent] = (self._runner(special.model), [target_of[o] for o in special.outputs])
+                runner = self._runner(_for_session(special.model))
+                self._partial_backward[absent] = (runner, [target_of[o] for o in special.outputs])
         return self._partial_backward[absent]
 
     def create_sessions(self) -> None:
@@ -113,3 +113,13 @@ class CompiledEntry:
         runners = [self._inference, self._forward, self._backward]
         runners += [p[0] for p in self._partial_backward.values() if p is not None]
         return [r.session.end_profiling() for r in runners if r is not None]
+
+
+def _for_session(backward: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a backward model with the backward passes applied (NOTE [label grad folding],
+    NOTE [sum as adds]). ``TrainingGraphs.backward`` keeps the plain form: the absent-gradient
+    specialisation reads its Sums as accumulations."""
+    model = onnx.ModelProto()
+    model.CopyFrom(backward)
+    run_backward_passes(model)
+    return model
