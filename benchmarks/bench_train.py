@@ -391,10 +391,10 @@ class WorkerHandle:
             cmd.append("--quick")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        if mode == "ortmodule":
+        if mode == "ortmodule" and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & env.keys():
             # What `import ortmodule` before `import torch` does (NOTE [threads] in
-            # ortmodule/runtime/session.py); eager and compile keep torch's default.
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            # ortmodule/__init__.py); eager and compile keep torch's default.
+            env["GOMP_SPINCOUNT"] = "10000"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, bufsize=1, env=env)
         self.replies: queue.Queue = queue.Queue()

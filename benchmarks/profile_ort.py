@@ -62,7 +62,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the tiny shapes of bench_train.py --quick")
     args = ap.parse_args()
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+        os.environ["GOMP_SPINCOUNT"] = "10000"  # what importing ortmodule first does: NOTE [threads]
     import psutil
     import torch
 

@@ -20,9 +20,9 @@ def make_session_options(
     # ``torch.get_num_threads()``. Its workers spin between the parallel sections of one run (measured
     # here: without spinning a 2-thread MatMul ran at 1-thread speed, 27 vs 62 GFLOP/s) and stop
     # spinning when the run ends (``force_spinning_stop``), so torch's own work between runs (loss,
-    # autograd, optimizer) gets the cores. torch's OpenMP workers, in turn, spin after each torch op
-    # unless OMP_WAIT_POLICY=PASSIVE, which ortmodule sets when it is imported before torch
-    # (ortmodule/__init__.py).
+    # autograd, optimizer) gets the cores. torch's OpenMP workers, in turn, spin only briefly after a
+    # torch op (GOMP_SPINCOUNT, which ortmodule sets when it is imported before torch:
+    # ortmodule/__init__.py).
     """
     so = ort.SessionOptions()
     so.intra_op_num_threads = intra_op_threads or torch.get_num_threads()
