@@ -540,12 +540,21 @@ def summarize(h: WorkerHandle, s: dict) -> dict:
     return res
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux): results differ a lot between hosts of the same VM size."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def machine_info(threads: int, results: dict) -> dict:
     import psutil
 
     info = {
         "platform": platform.platform(), "python": platform.python_version(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_logical": psutil.cpu_count(), "cpu_physical": psutil.cpu_count(logical=False),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_avg": [round(x, 2) for x in os.getloadavg()], "torch_threads": threads,
@@ -663,8 +672,8 @@ def results_md(table: str, info: dict, command: str) -> str:
         "*full step* adds `zero_grad` and `AdamW.step()`. *First call* is the first forward+loss+backward "
         "(ORTModule: export + gradient build + session creation; torch.compile: compilation). Speedups are "
         "eager's median over the mode's median. Peak RSS is each mode's own worker process (psutil). "
-        "Modes were measured interleaved, round-robin, in one run; other jobs were running on the machine, "
-        "so the numbers are noisy.", "",
+        "Modes were measured interleaved, round-robin, in one run, on a shared VM: numbers move by "
+        "10% or more from run to run.", "",
         table,
     ])
 
