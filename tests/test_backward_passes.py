@@ -1,4 +1,5 @@
-"""Backward-model passes other than the label fold: Sum lowered to Adds (NOTE [sum as adds])."""
+"""Backward-model passes other than the label fold: Sum lowered to Adds (NOTE [sum as adds]), scatters onto
+zeros folded into the sum (NOTE [scatter into the sum])."""
 
 from __future__ import annotations
 
@@ -42,3 +43,42 @@ def test_sum_with_a_gemm_stays_for_gemm_sum_fusion_and_single_input_sum_is_kept(
     model = _model(nodes, [("a", [3, 2]), ("b", [3, 4]), ("c", [2, 4])])
     assert lower_sums(model) == 0
     assert [n.op_type for n in model.graph.node] == ["Gemm", "Sum", "Sum"]
+
+
+def _scatter_sum_model(reduction: str = "add", extra_reader: bool = False):
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    zero = helper.make_tensor("zero", f, [1], [0.0])
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"], value=zero),
+        helper.make_node("ScatterND", ["zeros", "idx", "upd"], ["emb_grad"], reduction=reduction),
+        helper.make_node("Sum", ["head_grad", "emb_grad", "other"], ["y"], name="acc"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", f, [6, 3])]
+    if extra_reader:
+        outputs.append(helper.make_tensor_value_info("emb_grad", f, [6, 3]))
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("head_grad", f, [6, 3]), helper.make_tensor_value_info("other", f, [6, 3]),
+         helper.make_tensor_value_info("idx", i64, [4, 1]), helper.make_tensor_value_info("upd", f, [4, 3])],
+        outputs, [helper.make_tensor("shape", i64, [2], [6, 3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_scatter_onto_zeros_is_folded_into_the_sum():
+    rng = np.random.default_rng(0)
+    feeds = {"head_grad": rng.standard_normal((6, 3)).astype(np.float32),
+             "other": rng.standard_normal((6, 3)).astype(np.float32),
+             "idx": np.array([[1], [4], [1], [0]], dtype=np.int64),  # a repeated row accumulates
+             "upd": rng.standard_normal((4, 3)).astype(np.float32)}
+    model = _scatter_sum_model()
+    expected = _run(model, feeds)
+    assert lower_sums(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Add", "ScatterND"]  # no zeros, no Add over them
+    np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-6)
+
+
+def test_scatter_with_other_readers_or_no_reduction_is_not_folded():
+    for model in (_scatter_sum_model(extra_reader=True), _scatter_sum_model(reduction="none")):
+        assert lower_sums(model) == 1
+        assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "ScatterND", "Add", "Add"]
