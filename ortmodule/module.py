@@ -377,7 +377,7 @@ class ORTModule(nn.Module):
         onnx.save(entry.exported.model, f"{base}_inference.onnx")
         if entry.graphs is not None:
             onnx.save(entry.graphs.forward, f"{base}_forward.onnx")
-            onnx.save(entry.graphs.backward, f"{base}_backward.onnx")
+            onnx.save(entry.backward_model, f"{base}_backward.onnx")  # as its session runs it
         logger.info("saved graphs to %s_*.onnx", base)
 
     def export_onnx(self, path, *args: Any, dynamic_axes="auto", optimized_path=None, **kwargs: Any):

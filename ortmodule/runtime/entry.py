@@ -44,9 +44,12 @@ class CompiledEntry:
         self._backward: GraphRunner | None = None
         # absent output-gradient positions -> (runner, grad targets) or None (NOTE [absent output grads])
         self._partial_backward: dict[frozenset[int], tuple[GraphRunner, list[str]] | None] = {}
+        # The backward model the session runs: ``graphs.backward`` after the backward passes.
+        self.backward_model: onnx.ModelProto | None = None
         if requires_grad is not None:
             t0 = time.perf_counter()
             self.graphs = build_training_graphs(exported, requires_grad)
+            self.backward_model = _for_session(self.graphs.backward)
             if stats is not None:
                 stats.gradient_build_s += time.perf_counter() - t0
 
@@ -75,7 +78,8 @@ class CompiledEntry:
     def backward(self) -> GraphRunner:
         if self._backward is None:
             assert self.graphs is not None
-            self._backward = self._runner(_for_session(self.graphs.backward))
+            assert self.backward_model is not None
+            self._backward = self._runner(self.backward_model)
         return self._backward
 
     def backward_without(self, absent: frozenset[int]) -> tuple[GraphRunner, list[str]] | None:
