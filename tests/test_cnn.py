@@ -163,3 +163,41 @@ def test_batchnorm_and_cross_entropy_with_dynamic_batch():
             assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at batch {b}")
         for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
             assert_close(bo.float(), be.float(), 1e-5, f"{n} at batch {b}")
+
+
+class _ReluPool(nn.Module):
+    def __init__(self, pool: nn.Module) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1, 3, 1, 1))
+        self.pool = pool
+
+    def forward(self, x):
+        return self.pool(torch.relu(x * self.scale))
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize(
+    "pool", [nn.MaxPool2d(2), nn.MaxPool2d(3, stride=2, padding=1), nn.MaxPool2d(2, ceil_mode=True)],
+    ids=["2x2", "3x3s2p1", "ceil"],
+)
+def test_maxpool_of_relu_runs_as_relu_of_maxpool_with_eager_gradients(pool):
+    """NOTE [pool before relu]: windows that are all negative (ReLU ties at 0), positive ties and
+    mixed windows: the output and the gradients of the input and of the scale match eager exactly."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 7, generator=g)
+    x[0, 0] = -torch.rand(7, 7, generator=g)  # every window negative: max of ReLU is a tie at 0
+    x[0, 1, :4, :4] = 2.5  # positive ties
+    w = torch.randn(2, 3, 4, 4, generator=g)  # weights the pooled output (cropped to its size)
+    eager = _ReluPool(pool)
+    wrapped = ORTModule(copy.deepcopy(eager))
+    results = []
+    for m in (eager, wrapped):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        (out * w[..., : out.shape[-2], : out.shape[-1]]).sum().backward()
+        results.append((out.detach(), xi.grad, next(m.parameters()).grad))
+    for name, e, o in zip(("output", "x.grad", "scale.grad"), *results, strict=True):
+        assert torch.allclose(o, e, rtol=1e-6, atol=1e-6), name
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    ops = [n.op_type for n in entry.graphs.forward.graph.node if n.op_type in ("Relu", "MaxPool")]
+    assert ops == ["MaxPool", "Relu"]

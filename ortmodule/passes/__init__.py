@@ -149,7 +149,41 @@ def keep_layer_norm_stats(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (drop_noop_casts, keep_log_prob, keep_layer_norm_stats, batch_stats_batch_norm)
+def pool_before_relu(graph: ir.Graph) -> int:
+    """Rewrite ``MaxPool(Relu(x))`` as ``Relu(MaxPool(x))``.
+
+    # NOTE [pool before relu]: ReLU is monotonic, so the max of the rectified window is the
+    # rectified max, and the gradients agree as well: where the window's max is positive both pick
+    # its first maximum with slope 1; where it is not, eager's pick is a zero of ReLU whose slope
+    # is 0, and so is ours. The ReLU and its gradient then run on the pooled tensor (a quarter of
+    # the size for 2x2 pooling; the CNN benchmark: ~0.9 ms of its step). Only where the Relu's
+    # result feeds the MaxPool alone and the MaxPool returns no indices.
+    """
+    changed = 0
+    outputs = set(graph.outputs)
+    for relu in list(graph):
+        if relu.op_type != "Relu" or relu.domain != "":
+            continue
+        (x,), (r,) = relu.inputs, relu.outputs
+        uses = list(r.uses())
+        if x is None or r in outputs or len(uses) != 1:
+            continue
+        pool = uses[0].node
+        if pool.op_type != "MaxPool" or pool.domain != "" or len(pool.outputs) != 1 or uses[0].idx != 0:
+            continue
+        (p,) = pool.outputs
+        pool.replace_input_with(0, x)  # pool the pre-activation
+        p.replace_all_uses_with(r, replace_graph_outputs=True)  # the rectified pooled value, downstream
+        relu.replace_input_with(0, p)
+        r.shape = p.shape
+        graph.remove(relu)
+        graph.insert_after(pool, relu)
+        outputs = set(graph.outputs)
+        changed += 1
+    return changed
+
+
+FORWARD_PASSES = (drop_noop_casts, keep_log_prob, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu)
 
 
 def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -> int:
