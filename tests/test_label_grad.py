@@ -192,3 +192,15 @@ def test_lm_with_changing_batch_and_sequence_sizes_matches_eager(monkeypatch):
                for b, s in ((3, 5), (2, 5), (3, 4), (2, 7))]
     train_side_by_side(TinyLM(tied=True, ce={}), batches, lambda out, b: out[0], rtol=1e-4)
     assert 1 in folds, folds
+
+
+def test_lm_head_with_bias_is_left_alone_and_matches_eager(monkeypatch):
+    """dZ also feeds the bias gradient (a ReduceSum): not one of the head products, so no fold."""
+    folds = []
+    monkeypatch.setattr(entry_module, "run_backward_passes",
+                        lambda m: folds.append(fold_label_grad(m)) or lower_sums(m))
+    torch.manual_seed(0)
+    model = TinyLM(tied=False, ce={})
+    model.head = nn.Linear(E, V, bias=True)
+    train_side_by_side(model, _lm_batches(2), lambda out, b: out[0], rtol=1e-4)
+    assert folds and not any(folds), folds
