@@ -101,6 +101,19 @@ def test_fold_leaves_other_readers_alone():
     assert [n.op_type for n in model.graph.node] == before
 
 
+@pytest.fixture
+def folds(monkeypatch) -> list[int]:
+    """The number of folds of each backward model a session is created for, in order."""
+    counts: list[int] = []
+
+    def passes(model):
+        counts.append(fold_label_grad(model))
+        return lower_sums(model)
+
+    monkeypatch.setattr(entry_module, "run_backward_passes", passes)
+    return counts
+
+
 class TinyLM(nn.Module):
     def __init__(self, tied: bool, ce: dict, return_logits: bool = True) -> None:
         super().__init__()
@@ -138,10 +151,7 @@ CE_VARIANTS = {
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("ce", list(CE_VARIANTS))
-def test_lm_training_matches_eager(tied, ce, monkeypatch):
-    folds = []
-    monkeypatch.setattr(entry_module, "run_backward_passes",
-                        lambda m: folds.append(fold_label_grad(m)) or lower_sums(m))
+def test_lm_training_matches_eager(tied, ce, folds):
     torch.manual_seed(0)
     model = TinyLM(tied, CE_VARIANTS[ce])
     # Only the loss is backpropagated: the logits' gradient is absent and the specialised backward
@@ -152,10 +162,7 @@ def test_lm_training_matches_eager(tied, ce, monkeypatch):
     assert folds == [0, 1], folds
 
 
-def test_fold_applies_to_a_loss_only_model_and_matches_eager(monkeypatch):
-    folds = []
-    monkeypatch.setattr(entry_module, "run_backward_passes",
-                        lambda m: folds.append(fold_label_grad(m)) or lower_sums(m))
+def test_fold_applies_to_a_loss_only_model_and_matches_eager(folds):
     torch.manual_seed(0)
     model = TinyLM(tied=True, ce={})
     model.return_logits = False
@@ -181,11 +188,8 @@ def test_logits_gradient_used_too_matches_eager():
     train_side_by_side(model, _lm_batches(2), lambda out, b: out[0] + 0.1 * out[1].square().mean(), rtol=1e-4)
 
 
-def test_lm_with_changing_batch_and_sequence_sizes_matches_eager(monkeypatch):
+def test_lm_with_changing_batch_and_sequence_sizes_matches_eager(folds):
     """Dynamic shapes: the views' target shapes are run-time values, and the fold still applies."""
-    folds = []
-    monkeypatch.setattr(entry_module, "run_backward_passes",
-                        lambda m: folds.append(fold_label_grad(m)) or lower_sums(m))
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, V, (b, s), generator=g), torch.randint(0, V, (b, s), generator=g))
@@ -194,11 +198,8 @@ def test_lm_with_changing_batch_and_sequence_sizes_matches_eager(monkeypatch):
     assert 1 in folds, folds
 
 
-def test_lm_head_with_bias_is_left_alone_and_matches_eager(monkeypatch):
+def test_lm_head_with_bias_is_left_alone_and_matches_eager(folds):
     """dZ also feeds the bias gradient (a ReduceSum): not one of the head products, so no fold."""
-    folds = []
-    monkeypatch.setattr(entry_module, "run_backward_passes",
-                        lambda m: folds.append(fold_label_grad(m)) or lower_sums(m))
     torch.manual_seed(0)
     model = TinyLM(tied=False, ce={})
     model.head = nn.Linear(E, V, bias=True)
