@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 from torch import nn
 
+from ortmodule import ORTModule
 from ortmodule.passes.backward import lower_sums
 from ortmodule.passes.label_grad import fold_label_grad
 from ortmodule.runtime import entry as entry_module
@@ -22,10 +23,12 @@ from .helpers import train_side_by_side
 V, E, B, S = 37, 8, 3, 5
 
 
-def _head_backward(identity_view: bool) -> onnx.ModelProto:
-    """The backward of ``loss = CE(reshape(X3 @ W^T), labels)`` as the rules and passes emit it."""
+def _head_backward(identity_view: bool, source: str = "Softmax") -> onnx.ModelProto:
+    """The backward of ``loss = CE(reshape(X3 @ W^T), labels)`` as the rules and passes emit it:
+    P from the saved scores (``Softmax``), or from saved log-probabilities (``Exp``)."""
     nodes = [
-        helper.make_node("Exp", ["log_prob"], ["prob"]),
+        helper.make_node("Softmax", ["scores"], ["prob"], axis=1) if source == "Softmax"
+        else helper.make_node("Exp", ["scores"], ["prob"]),
         helper.make_node("Mul", ["prob", "coef"], ["scaled"]),
         helper.make_node("Neg", ["coef"], ["neg_coef"]),
         helper.make_node("ScatterElements", ["scaled", "index", "neg_coef"], ["dz"], axis=1, reduction="add"),
@@ -45,7 +48,7 @@ def _head_backward(identity_view: bool) -> onnx.ModelProto:
     f = TensorProto.FLOAT
     graph = helper.make_graph(
         nodes, "head_backward",
-        [helper.make_tensor_value_info("log_prob", f, ["N", V]),
+        [helper.make_tensor_value_info("scores", f, ["N", V]),
          helper.make_tensor_value_info("coef", f, ["N", 1]),
          helper.make_tensor_value_info("index", TensorProto.INT64, ["N", 1]),
          helper.make_tensor_value_info("w", f, [V, E]),
@@ -62,8 +65,9 @@ def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
+@pytest.mark.parametrize("source", ["Softmax", "Exp"])
 @pytest.mark.parametrize("identity_view", [False, True])
-def test_folded_graph_computes_the_same_gradients(identity_view):
+def test_folded_graph_computes_the_same_gradients(identity_view, source):
     rng = np.random.default_rng(0)
     n = B * S
     logits = rng.standard_normal((n, V)).astype(np.float32)
@@ -71,14 +75,14 @@ def test_folded_graph_computes_the_same_gradients(identity_view):
     labels = rng.integers(0, V, (n, 1))
     labels[3] = labels[4]  # a repeated label: the correction accumulates
     feeds = {
-        "log_prob": log_prob.astype(np.float32),
+        "scores": (logits if source == "Softmax" else log_prob).astype(np.float32),
         "coef": rng.uniform(0.0, 1.0, (n, 1)).astype(np.float32),
         "index": labels.astype(np.int64),
         "w": rng.standard_normal((V, E)).astype(np.float32),
         "x3": rng.standard_normal((B, S, E)).astype(np.float32),
         "logits_shape": np.array([B, S, V], dtype=np.int64),
     }
-    model = _head_backward(identity_view)
+    model = _head_backward(identity_view, source)
     expected = _run(model, feeds)
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
@@ -205,3 +209,21 @@ def test_lm_head_with_bias_is_left_alone_and_matches_eager(folds):
     model.head = nn.Linear(E, V, bias=True)
     train_side_by_side(model, _lm_batches(2), lambda out, b: out[0], rtol=1e-4)
     assert folds and not any(folds), folds
+
+
+def test_lm_saves_neither_log_probs_nor_a_copy_of_the_logits():
+    """NOTE [softmax from the scores] and NOTE [views are recomputed]: the forward returns the logits
+    once; the backward reshapes them again and takes their softmax, so no [tokens, vocab] tensor is
+    saved besides the logits the model returns anyway."""
+    torch.manual_seed(0)
+    wrapped = ORTModule(TinyLM(tied=True, ce={}))
+    ids, labels = _lm_batches(1)[0]
+    loss, logits = wrapped(ids, labels)
+    loss.backward()
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    forward, backward = entry.graphs.forward.graph, entry.graphs.backward.graph
+    big = {o.name for o in forward.output
+           if [d.dim_value for d in o.type.tensor_type.shape.dim][-1:] == [V]}
+    assert len(big) == 1, big  # the user's logits, nothing else of that size
+    (logits_name,) = big
+    assert any(n.op_type == "Reshape" and n.input[0] == logits_name for n in backward.node)

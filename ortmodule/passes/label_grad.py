@@ -1,7 +1,7 @@
 """Fold the cross-entropy gradient's label correction into the matrix products that read it.
 
 # NOTE [label grad folding]: the cross-entropy rule builds the logits gradient as
-# ``dZ = P * c - onehot(labels) * c`` (P = exp(log_prob) [N, V], c the per-row coefficient [N, 1]),
+# ``dZ = P * c - onehot(labels) * c`` (P = softmax(scores) [N, V], c the per-row coefficient [N, 1]),
 # a ScatterElements that copies the whole [N, V] tensor to subtract c at N positions (GPT-2's LM
 # head, V = 50257: 15 ms for the copy and 9 ms for the Mul by c, per step). When dZ (or a Reshape
 # of it) is read only by the LM head's gradient products, both are pushed through them:
@@ -88,13 +88,13 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
         if coef not in mul.input:
             continue
         prob = mul.input[1] if mul.input[0] == coef else mul.input[0]
-        exp = producers.get(prob)
-        if exp is None or exp.op_type != "Exp":
+        source = producers.get(prob)  # Softmax(scores), or Exp(log_prob)
+        if source is None or not (source.op_type == "Exp" or (
+                source.op_type == "Softmax" and _attrs(source).get("axis", -1) in (1, -1))):
             continue
-        p_dims = _static_dims(infos.get(exp.input[0]))  # the saved log_prob [N, V]
-        if p_dims is None or len(p_dims) != 2 or p_dims[1] is None:
+        vocab = _vocab(source.input[0], infos, producers, inits)  # of the scores / log_prob [N, V]
+        if vocab is None:
             continue
-        vocab = p_dims[1]
 
         # The views of dZ (itself, Reshapes and Identities of it; each mapped to the Reshape that set
         # its shape, None for dZ's own) and the products reading them.
@@ -173,6 +173,20 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
             result.extend(replace.get(id(n), [n]))
         return _prune(result, graph_outputs)
     return None
+
+
+def _vocab(scores: str, infos: dict, producers: dict, inits: dict) -> int | None:
+    """V of a 2-D [N, V] value: from its declared shape (a saved value), or from the constant target
+    shape of the Reshape that makes it (NOTE [views are recomputed])."""
+    dims = _static_dims(infos.get(scores))
+    if dims is None:
+        reshape = producers.get(scores)
+        if reshape is not None and reshape.op_type == "Reshape":
+            dims = _const_ints(reshape.input[1], producers, inits)
+            dims = None if dims is None or any(d <= 0 for d in dims[1:]) else dims
+    if dims is None or len(dims) != 2 or dims[1] is None:
+        return None
+    return dims[1]
 
 
 def _is_rows_of(view: str, views: dict, vocab: int, producers: dict, inits: dict) -> bool:

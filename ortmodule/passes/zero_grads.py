@@ -90,11 +90,13 @@ def specialise_zero_grads(model: onnx.ModelProto, zero_inputs: Collection[str]) 
     needed.reverse()
     if any(i in zero for n in needed for i in n.input):
         return None  # cannot happen by construction; kept as a guard against a wrong table entry
+    produced = {o for n in needed for o in n.output}
     new_graph = onnx.helper.make_graph(
         needed, graph.name,
         [i for i in graph.input if i.name in live],
         kept,
         [t for t in graph.initializer if t.name in live],
+        value_info=[v for v in graph.value_info if v.name in produced],
     )
     out = onnx.helper.make_model(new_graph, opset_imports=list(model.opset_import), producer_name=model.producer_name)
     out.ir_version = model.ir_version
