@@ -9,6 +9,8 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from .proto import node_attrs
+
 BATCH_STATS_KEY = "pkg.ortmodule.batch_stats"
 
 
@@ -186,8 +188,7 @@ def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -
         log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else f"{node.output[0]}.log_prob"
         while log_prob not in node.output and log_prob in names:
             log_prob += "_"
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        attrs = node_attrs(node)
         nodes.append(onnx.helper.make_node("LogSoftmax", [node.input[0]], [log_prob], axis=1,
                                            name=f"{node.name}/LogSoftmax"))
         nodes.append(onnx.helper.make_node("NegativeLogLikelihoodLoss", [log_prob, *node.input[1:]],

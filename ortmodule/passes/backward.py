@@ -6,6 +6,7 @@ import onnx
 from onnx import helper
 
 from .label_grad import fold_label_grad
+from .proto import node_attrs
 
 
 def lower_sums(model: onnx.ModelProto) -> int:
@@ -73,8 +74,7 @@ def _scatter_onto_zeros(node: onnx.NodeProto | None, producers: dict, consumers:
     """``ScatterND(zeros, i, u, reduction=add)`` read only once."""
     if node is None or node.op_type != "ScatterND" or consumers.get(node.output[0], 0) != 1:
         return False
-    reduction = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "reduction"), b"none")
-    if reduction != b"add":  # with "none", repeated indices would be undefined, not summed
+    if node_attrs(node).get("reduction", "none") != "add":  # with "none", repeated indices are undefined
         return False
     data = producers.get(node.input[0])
     if data is None or data.op_type != "ConstantOfShape":

@@ -21,13 +21,7 @@ import itertools
 import onnx
 from onnx import helper
 
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    out = {}
-    for a in node.attribute:
-        v = helper.get_attribute_value(a)
-        out[a.name] = v.decode() if isinstance(v, bytes) else v
-    return out
+from .proto import node_attrs
 
 
 def _static_dims(vi: onnx.ValueInfoProto | None) -> list[int | None] | None:
@@ -77,7 +71,7 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
     for scatter in nodes:
         if scatter.op_type != "ScatterElements" or scatter.domain not in ("", "ai.onnx"):
             continue
-        at = _attrs(scatter)
+        at = node_attrs(scatter)
         if at.get("axis", 0) not in (1, -1) or at.get("reduction") != "add":
             continue
         a_name, idx_name, upd_name = scatter.input
@@ -90,7 +84,7 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
         prob = mul.input[1] if mul.input[0] == coef else mul.input[0]
         source = producers.get(prob)  # Softmax(scores), or Exp(log_prob)
         if source is None or not (source.op_type == "Exp" or (
-                source.op_type == "Softmax" and _attrs(source).get("axis", -1) in (1, -1))):
+                source.op_type == "Softmax" and node_attrs(source).get("axis", -1) in (1, -1))):
             continue
         vocab = _vocab(source.input[0], infos, producers, inits)  # of the scores / log_prob [N, V]
         if vocab is None:
@@ -126,8 +120,7 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
                             break
                     terminals.append(("dx", c))
                 elif (c.op_type == "Gemm" and len(c.input) == 2 and c.input[1] == v and c.input[0] != v
-                      and _attrs(c).get("transA", 0) == 1 and _attrs(c).get("transB", 0) == 0
-                      and float(_attrs(c).get("alpha", 1.0)) == 1.0):
+                      and _plain_transposed_a(c)):
                     if not _is_rows_of(v, views, vocab, producers, inits):
                         ok = False
                         break
@@ -173,6 +166,12 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
             result.extend(replace.get(id(n), [n]))
         return _prune(result, graph_outputs)
     return None
+
+
+def _plain_transposed_a(gemm: onnx.NodeProto) -> bool:
+    """``A^T @ B`` exactly: transA=1, transB=0, alpha=1."""
+    at = node_attrs(gemm)
+    return at.get("transA", 0) == 1 and at.get("transB", 0) == 0 and float(at.get("alpha", 1.0)) == 1.0
 
 
 def _vocab(scores: str, infos: dict, producers: dict, inits: dict) -> int | None:
