@@ -2,6 +2,7 @@
 
 import copy
 
+import onnx
 import pytest
 import torch
 
@@ -68,6 +69,14 @@ def test_bert_sequence_classification_parity():
     out = wrapped(**bert_batches(1)[0])
     assert isinstance(out, transformers.modeling_outputs.SequenceClassifierOutput)
     assert out.logits.shape == (4, 3) and out.loss.requires_grad
+    # NOTE [rows nobody reads]: the last layer's FFN runs on the [CLS] position only.
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    forward = onnx.shape_inference.infer_shapes(entry.graphs.forward)
+    shapes = {v.name: v.type.tensor_type.shape.dim for v in [*forward.graph.value_info, *forward.graph.output]}
+    ffn = {n.name: n.input[0] for n in forward.graph.node if n.op_type == "MatMul" and "intermediate" in n.name}
+    rows = {name: shapes[x][1].dim_value for name, x in ffn.items()}
+    # symbolic (0) sequence length in layers 0-2, one row in layer 3
+    assert sorted(rows.values()) == [0, 0, 0, 1] and [v for n, v in rows.items() if "layer.3" in n] == [1], rows
     counter = CallCounter(wrapped.module)
     wrapped(**bert_batches(1)[0]).loss.backward()
     assert counter.count == 0

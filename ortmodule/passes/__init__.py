@@ -10,6 +10,7 @@ import onnx
 import onnx_ir as ir
 
 from .proto import node_attrs
+from .rows import select_rows_early
 
 BATCH_STATS_KEY = "pkg.ortmodule.batch_stats"
 
@@ -164,7 +165,7 @@ def pool_before_relu(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (drop_noop_casts, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu)
+FORWARD_PASSES = (drop_noop_casts, select_rows_early, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu)
 
 
 def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -> int:
