@@ -4,6 +4,8 @@ reads, and a sequence classifier trains like eager PyTorch."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -13,7 +15,9 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
+from ortmodule import ORTModule
 from ortmodule.passes.rows import select_rows_early
+from ortmodule.runtime import entry as entry_module
 
 from .helpers import train_side_by_side
 
@@ -219,3 +223,21 @@ def test_pooled_block_trains_like_eager(position, dropout):
     (ff_in,) = [n for n in forward.graph.node if n.op_type == "MatMul" and "ff.0" in n.name]
     shapes = {v.name: v.type.tensor_type.shape.dim for v in [*forward.graph.value_info, *forward.graph.output]}
     assert shapes[ff_in.input[0]][1].dim_value == 1, "the FFN must run on the pooled position only"
+
+
+def test_inference_computes_only_the_pooled_position(monkeypatch):
+    """Under no_grad the inference session runs the pruned graph too, with eager's outputs."""
+    run = []
+    monkeypatch.setattr(entry_module, "_for_inference",
+                        lambda m, f=entry_module._for_inference: run.append(f(m)) or run[-1])
+    torch.manual_seed(0)
+    model = Tail(0, dropout=0.1).eval()
+    wrapped = ORTModule(copy.deepcopy(model))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for b, s in [(B, S), (3, 9)]:
+            x = torch.randn(b, s, E, generator=g)
+            torch.testing.assert_close(wrapped(x), model(x), rtol=1e-5, atol=1e-6)
+    entry = next(e for e in wrapped._built._data.values())
+    assert entry.graphs is None
+    assert run and all(any("/rows/" in n.name for n in m.graph.node) for m in run)
