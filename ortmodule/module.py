@@ -287,16 +287,32 @@ class ORTModule(nn.Module):
         except GradientRuleError:
             if not exported.dynamic:
                 raise
-            # A rule that needs static sizes: give this signature its own static graph.
-            dyn = self._dynamic.get(sig.shapeless())
-            if dyn is not None:
-                dyn.static = True
-            exported = self._export(sig, *args, dynamic=False)
+            exported, entry = self._build_less_dynamic(sig, args, exported, device, requires_grad)
             self._exports.put(sig.export_key(), exported)
             key = (id(exported), key[1])
-            entry = self._build(exported, device, requires_grad)
         self._built.put(key, entry)
         return entry
+
+    def _build_less_dynamic(self, sig, args, failed, device, requires_grad) -> tuple[ExportedModel, CompiledEntry]:
+        """A rule needs static sizes of ``failed`` (a dynamic graph): build a batch-dynamic graph
+        (NOTE [batch-dynamic graphs]) or, if that fails too, a static one for this signature."""
+        shapeless = sig.shapeless()
+        if not failed.batch_only:
+            exported = self._export(sig, *args, dynamic=True, batch_only=True)
+            try:
+                entry = self._build(exported, device, requires_grad)
+            except GradientRuleError:
+                pass
+            else:
+                dyn = self._dynamic.get(shapeless)
+                if dyn is None or dyn.reference is failed:
+                    self._dynamic.put(shapeless, DynamicExport.start(exported, sig.shapes()))
+                return exported, entry
+        dyn = self._dynamic.get(shapeless)
+        if dyn is not None:
+            dyn.static = True
+        exported = self._export(sig, *args, dynamic=False)
+        return exported, self._build(exported, device, requires_grad)
 
     def _build(self, exported, device, requires_grad) -> CompiledEntry:
         if requires_grad is not None:
@@ -329,7 +345,8 @@ class ORTModule(nn.Module):
         if dyn is not None and dyn.covers(shapes):
             exported = dyn.reference
         else:
-            exported = self._export(sig, *args, dynamic=dyn is None or not dyn.static)
+            exported = self._export(sig, *args, dynamic=dyn is None or not dyn.static,
+                                    batch_only=dyn is not None and dyn.batch_only)
             if dyn is None:
                 if exported.dynamic:
                     self._dynamic.put(shapeless, DynamicExport.start(exported, shapes))
@@ -339,11 +356,12 @@ class ORTModule(nn.Module):
         self._exports.put(key, exported)
         return exported
 
-    def _export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool) -> ExportedModel:
+    def _export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool,
+                batch_only: bool = False) -> ExportedModel:
         t0 = time.perf_counter()
         with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
             exported = export_module(self.module, flat, params, param_names, buffers, buffer_names,
-                                     dynamic=dynamic)
+                                     dynamic=dynamic, batch_only=batch_only)
         self._stats.export_s += time.perf_counter() - t0
         self._stats.exports += 1
         logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)

@@ -163,6 +163,33 @@ def test_batchnorm_and_cross_entropy_with_dynamic_batch():
             assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at batch {b}")
         for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
             assert_close(bo.float(), be.float(), 1e-5, f"{n} at batch {b}")
+    # NOTE [batch-dynamic graphs]: the Conv rule needs static spatial dims, so the graph is dynamic in
+    # the batch only: the all-dims export, the batch-dynamic one, one verification at batch 4; then
+    # batch 3 (the partial batch) and 6 run on the same graph and sessions.
+    s = wrapped.stats
+    assert s.exports == 3 and s.gradient_builds == 2 and s.cache_misses == 3, s
+    assert not any(d.static for d in wrapped._dynamic._data.values())
+
+
+def test_conv_model_across_batch_sizes_and_image_sizes():
+    """A batch-dynamic graph serves other batch sizes; another image size gets its own graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    for b, hw in [(4, 8), (3, 8), (5, 8), (4, 12), (2, 12), (2, 8)]:
+        x, y = torch.randn(b, 3, hw, hw), torch.randint(0, 3, (b,))
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            m.loss = F.cross_entropy(m(x), y)
+            m.loss.backward()
+        assert_close(wrapped.loss, eager.loss, 1e-5, f"loss at {b}x{hw}")
+        for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at {b}x{hw}")
+        for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
+            assert_close(bo.float(), be.float(), 1e-5, f"{n} at {b}x{hw}")
+        if (b, hw) == (5, 8):
+            assert wrapped.stats.exports == 3, "batch 5 must reuse the graph verified at batch 3"
 
 
 class _ReluPool(nn.Module):

@@ -9,6 +9,13 @@
 # sessions) serves every shape that differs only in verified dims. Different: the model is shape-
 # specialised and each shape gets its own export from then on. Dropout mask shapes are matched to
 # input dims across the observed exports the same way.
+#
+# NOTE [batch-dynamic graphs]: some gradient rules need sizes the forward graph leaves symbolic (a
+# Conv's spatial dims). When the all-dims-dynamic graph cannot be differentiated, the module is
+# exported again with only dim 0 of each input symbolic; that graph is verified across batch sizes
+# as above and serves every shape that differs only in dim 0 (a partial last batch). A shape that
+# differs elsewhere (another image size) gets an export of its own. Only if the batch-dynamic graph
+# fails too is the model shape-specialised.
 """
 
 from __future__ import annotations
@@ -23,11 +30,21 @@ from .torchscript import ExportedModel
 Shapes = tuple[tuple[int, ...], ...]
 
 
+def _attribute_key(a: onnx.AttributeProto) -> bytes:
+    # NOTE [constant names]: onnx_ir's get_const_tensor names a Constant's tensor after its output,
+    # in the proto it wraps: the passes do that to the reference export when they build its
+    # training graphs, so a fresh export at another shape differed by names alone. Names are not values.
+    if a.type == onnx.AttributeProto.TENSOR and a.t.name:
+        a = onnx.AttributeProto.FromString(a.SerializeToString())
+        a.t.ClearField("name")
+    return a.SerializeToString()
+
+
 def graph_fingerprint(model: onnx.ModelProto) -> tuple:
     """Nodes (ops, wiring, attributes) and constants: what must match for two exports to agree."""
     g = model.graph
     nodes = tuple(
-        (n.domain, n.op_type, tuple(n.input), tuple(n.output), tuple(a.SerializeToString() for a in n.attribute))
+        (n.domain, n.op_type, tuple(n.input), tuple(n.output), tuple(_attribute_key(a) for a in n.attribute))
         for n in g.node
     )
     inits = tuple((t.name, t.SerializeToString()) for t in g.initializer)
@@ -85,15 +102,24 @@ class DynamicExport:
     def start(cls, exported: ExportedModel, shapes: Shapes) -> DynamicExport:
         return cls(exported, shapes, graph_fingerprint(exported.model), [(shapes, exported.masks)])
 
+    @property
+    def batch_only(self) -> bool:
+        return self.reference.batch_only
+
     def differing_dims(self, shapes: Shapes) -> set[tuple[int, int]]:
         return {(i, j) for i, (a, b) in enumerate(zip(self.ref_shapes, shapes)) for j in range(len(a)) if a[j] != b[j]}
 
     def covers(self, shapes: Shapes) -> bool:
         return not self.static and self.differing_dims(shapes) <= self.verified
 
+    def may_serve(self, shapes: Shapes) -> bool:
+        """Whether a graph exported at ``shapes`` could be verified to be this one: a batch-only
+        graph has the other dims fixed, so it serves only shapes that differ in dim 0."""
+        return not self.batch_only or all(j == 0 for _, j in self.differing_dims(shapes))
+
     def verify(self, candidate: ExportedModel, shapes: Shapes) -> bool:
         """Compare ``candidate`` (exported at ``shapes``) with the reference; True if it can serve."""
-        if self.static:
+        if self.static or not self.may_serve(shapes):
             return False
         if graph_fingerprint(candidate.model) != self.fingerprint:
             self.static = True

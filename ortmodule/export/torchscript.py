@@ -33,8 +33,9 @@ def is_state_input(name: str) -> bool:
     return not name.startswith(("input:", "dropout:"))
 
 
-def _dynamic_axes(flat: FlatInputs) -> dict[str, dict[int, str]]:
-    return {input_name(i): {d: f"input{i}_dim{d}" for d in range(t.dim())} for i, t in enumerate(flat.tensors)}
+def _dynamic_axes(flat: FlatInputs, batch_only: bool) -> dict[str, dict[int, str]]:
+    return {input_name(i): {d: f"input{i}_dim{d}" for d in range(min(t.dim(), 1) if batch_only else t.dim())}
+            for i, t in enumerate(flat.tensors)}
 
 
 @dataclasses.dataclass
@@ -55,6 +56,7 @@ class ExportedModel:
     opset: int
     masks: tuple[MaskSpec, ...] = ()
     dynamic: bool = False
+    batch_only: bool = False  # dynamic in dim 0 of each user input only (NOTE [batch-dynamic graphs])
     input_shapes: tuple[tuple[int, ...], ...] = ()  # the user inputs' shapes at export time
 
 
@@ -135,12 +137,13 @@ def export_module(
     *,
     opset: int = DEFAULT_OPSET,
     dynamic: bool = False,
+    batch_only: bool = False,
 ) -> ExportedModel:
     """Trace ``module`` on ``flat`` to an ONNX forward graph in the module's current train/eval mode.
 
     With ``dynamic``, every dim of every user tensor input is a symbolic axis: sizes the forward
     reads with ``x.shape`` become Shape ops; whether the graph really is shape-generic is checked by
-    the caller (NOTE [dynamic shapes]).
+    the caller (NOTE [dynamic shapes]). With ``batch_only`` as well, only dim 0 of each input is.
     """
     wrapper = _Flat(module, flat, param_names, buffer_names)
     inputs = tuple(flat.tensors) + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
@@ -164,7 +167,7 @@ def export_module(
                 training=torch.onnx.TrainingMode.PRESERVE,
                 do_constant_folding=False,
                 keep_initializers_as_inputs=False,
-                dynamic_axes=_dynamic_axes(flat) if dynamic else None,
+                dynamic_axes=_dynamic_axes(flat, batch_only) if dynamic else None,
             )
     except Exception as exc:
         if wrapper.forward_error is not None:
@@ -193,5 +196,6 @@ def export_module(
         opset=opset,
         masks=masks,
         dynamic=dynamic,
+        batch_only=dynamic and batch_only,
         input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
     )
