@@ -58,6 +58,46 @@ def _dropout_args(func, args, kwargs):
     return bound["input"], float(bound["p"]), bool(bound["training"])
 
 
+def _cross_entropy_args(args, kwargs) -> dict:
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    bound = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+             "label_smoothing": 0.0}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def smoothed_cross_entropy(input, target, weight, ignore_index: int, reduction: str, smoothing: float):
+    """``F.cross_entropy(..., label_smoothing=smoothing)`` for class-index targets, from ops that export.
+
+    # NOTE [label smoothing]: the TorchScript exporter rejects ``label_smoothing > 0``, which made
+    # such a model fall back to eager. Torch computes it as ``(1 - e) * nll + e / C * smooth``, where
+    # ``smooth`` is the (class-weighted) negative sum of the log-probabilities over classes, zero at
+    # ignored targets, and reduced like the NLL (a weighted mean divides by the weights of the targets
+    # that are not ignored); written out the same way here.
+    """
+    class_dim = 0 if input.dim() == 1 else 1
+    logp = F.log_softmax(input, class_dim)
+    nll = F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction=reduction)
+    ignored = target == ignore_index
+    if weight is not None:
+        shape = [1] * logp.dim()
+        shape[class_dim] = weight.shape[0]
+        smooth = -(logp * weight.view(shape)).sum(class_dim)
+    else:
+        smooth = -logp.sum(class_dim)
+    smooth = smooth.masked_fill(ignored, 0.0)
+    if reduction == "mean":
+        if weight is not None:
+            picked = weight.gather(0, target.masked_fill(ignored, 0).flatten()).view(target.shape)
+            smooth = smooth.sum() / picked.masked_fill(ignored, 0.0).sum()
+        else:
+            smooth = smooth.sum() / (~ignored).sum()
+    elif reduction == "sum":
+        smooth = smooth.sum()
+    return (1.0 - smoothing) * nll + smooth * (smoothing / input.shape[class_dim])
+
+
 def _sdpa_args(args, kwargs):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -211,6 +251,12 @@ class _Base(TorchFunctionMode):
                 )
         if func is F.batch_norm:
             return self._batch_norm(func, args, kwargs)
+        if func is F.cross_entropy:
+            b = _cross_entropy_args(args, kwargs)
+            if (b["label_smoothing"] > 0.0 and not b["target"].is_floating_point() and b["size_average"] is None
+                    and b["reduce"] is None):
+                return smoothed_cross_entropy(b["input"], b["target"], b["weight"], b["ignore_index"],
+                                              b["reduction"], float(b["label_smoothing"]))
         if func in (torch.Tensor.detach, torch.detach):
             return stop_gradient(args[0])
         if func is F.embedding:
