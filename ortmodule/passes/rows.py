@@ -101,9 +101,9 @@ def _input_axes(node: ir.Node, axis: int, out_rank: int, opset: int) -> list[int
         axes: list[int | None] = [1 if _attr(node, "transA", 0) else 0, None]
         if len(inputs) > 2:
             c = inputs[2]
-            axes.append(None if c is None or _rank(c) != 2 or c.shape[0] == 1 else 0)
-            if _rank(c) is None:
+            if c is not None and _rank(c) is None:
                 return None
+            axes.append(None if c is None or _rank(c) != 2 or c.shape[0] == 1 else 0)
         return axes
     return None
 
