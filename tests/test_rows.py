@@ -131,6 +131,13 @@ def test_gemm_rows_with_a_full_size_bias(trans_a):
     assert sorted(n.input[0] for n in nodes if n.op_type == "Gather") == ["a", "c", "r"]
 
 
+def test_gemm_rows_without_a_bias():
+    nodes = [helper.make_node("Gemm", ["a", "b", ""], ["o"]), helper.make_node("Gather", ["o", "idx"], ["y"], axis=0)]
+    model = _model(nodes, [_vi("a", [S, E]), _vi("b", [E, H])], [_vi("y", [1, H])], [_idx([3])])
+    _, nodes = _check(model, _rng_feeds(a=(S, E), b=(E, H)), min_pushes=1)
+    assert [n.input[0] for n in nodes if n.op_type == "Gather"] == ["a", "o"]
+
+
 def test_batch_axis_of_a_matmul_with_a_shared_weight():
     nodes = [helper.make_node("MatMul", ["x", "w"], ["o"]), helper.make_node("Gather", ["o", "idx"], ["y"], axis=0)]
     model = _model(nodes, [_vi("x", [4, S, E]), _vi("w", [E, H])], [_vi("y", [H])], [_idx(3, scalar=True)])
