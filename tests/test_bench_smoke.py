@@ -64,3 +64,17 @@ def test_bench_plot_writes_png(tmp_path):
     out = tmp_path / "speedup.png"
     bench_train.plot(results, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+EVAL = ROOT / "benchmarks" / "bench_eval.py"
+
+
+@pytest.mark.skipif(not EVAL.exists(), reason="benchmarks/ not present")
+def test_bench_eval_quick():
+    cmd = [sys.executable, str(EVAL), "--quick", "--model", "mlp", "--model", "cnn"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| mlp |", "| cnn |"))]
+    assert len(rows) == 2, proc.stdout
+    for row in rows:  # the largest output difference against eager is tiny
+        assert float(row.strip("| ").split("|")[-1]) < 1e-4, row

@@ -235,8 +235,8 @@ def test_pooled_block_trains_like_eager(position, dropout):
 def test_inference_computes_only_the_pooled_position(monkeypatch):
     """Under no_grad the inference session runs the pruned graph too, with eager's outputs."""
     run = []
-    monkeypatch.setattr(entry_module, "_for_inference",
-                        lambda m, f=entry_module._for_inference: run.append(f(m)) or run[-1])
+    monkeypatch.setattr(entry_module, "optimize_inference",
+                        lambda m, f=entry_module.optimize_inference: run.append(f(m)) or run[-1])
     torch.manual_seed(0)
     model = Tail(0, dropout=0.1).eval()
     wrapped = ORTModule(copy.deepcopy(model))

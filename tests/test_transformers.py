@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ortmodule import ORTModule  # noqa: E402
+from ortmodule.runtime import entry as entry_module  # noqa: E402
 
 from .helpers import CallCounter, assert_close, train_side_by_side  # noqa: E402
 
@@ -93,6 +94,30 @@ def test_gpt2_lm_parity_with_tied_embeddings():
     counter = CallCounter(m)
     wrapped(**gpt2_batches(1)[0]).loss.backward()
     assert counter.count == 0
+
+
+@pytest.mark.parametrize("build,batches", [(gpt2, gpt2_batches), (bert, bert_batches)], ids=["gpt2", "bert"])
+def test_evaluation_runs_the_optimized_inference_graph(build, batches, monkeypatch):
+    """eval + no_grad: the inference session gets the inference passes and the lowered cross-entropy
+    (GPT-2: no SoftmaxCrossEntropyLoss function body, no Cast copy of the logits; BERT: the pooled
+    rows), with eager's loss and logits."""
+    built = []
+    monkeypatch.setattr(entry_module, "optimize_inference",
+                        lambda m, f=entry_module.optimize_inference: built.append(f(m)) or built[-1])
+    model = build().eval()
+    wrapped = ORTModule(copy.deepcopy(model))
+    with torch.no_grad():
+        for batch in batches(2):
+            want, got = model(**batch), wrapped(**batch)
+            assert_close(got.loss, want.loss, 1e-5, "loss")
+            assert_close(got.logits, want.logits, 1e-4, "logits")
+    (graph,) = [m.graph for m in built]
+    ops = [n.op_type for n in graph.node]
+    assert "SoftmaxCrossEntropyLoss" not in ops and "LogSoftmax" in ops, ops
+    if build is gpt2:
+        assert not any(n.op_type == "Cast" and n.output[0] in {o.name for o in graph.output} for n in graph.node)
+    else:
+        assert any("/rows/" in n.name for n in graph.node)
 
 
 def test_bert_with_dropout_learns_and_is_reproducible():

@@ -1,5 +1,6 @@
-"""Graph passes: on the forward graph before autodiff (``FORWARD_PASSES``), and lowerings of the
-partitioned forward model (``lower_softmax_cross_entropy``).
+"""Graph passes: on the forward graph before autodiff (``FORWARD_PASSES``), lowerings of the
+partitioned forward model (``lower_softmax_cross_entropy``), and both on the no-grad inference
+graph (``optimize_inference``).
 
 Each pass changes the graph in place and returns how many nodes it changed (0: nothing to do).
 """
@@ -203,3 +204,19 @@ def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -
 
 def run_forward_passes(graph: ir.Graph) -> int:
     return sum(p(graph) for p in FORWARD_PASSES)
+
+
+# The forward passes that keep a graph's outputs as they are (keep_layer_norm_stats adds outputs).
+INFERENCE_PASSES = (drop_noop_casts, select_rows_early, batch_stats_batch_norm, pool_before_relu)
+
+
+def optimize_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The exported forward for a no-grad session: the inference passes and the cross-entropy
+    lowering; ``model`` itself (unchanged) where none applies."""
+    irm = ir.from_proto(model)
+    changed = sum(p(irm.graph) for p in INFERENCE_PASSES)
+    ranks = {n.inputs[0].name: n.inputs[0].shape.rank() for n in irm.graph
+             if n.op_type == "SoftmaxCrossEntropyLoss" and n.inputs[0].shape is not None}
+    optimized = ir.to_proto(irm)
+    changed += lower_softmax_cross_entropy(optimized, ranks)
+    return optimized if changed else model

@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 
 import onnx
-import onnx_ir as ir
 import torch
 
 from ..export import ExportedModel
 from ..export.torchscript import is_state_input
 from ..partition import TrainingGraphs, build_training_graphs
+from ..passes import optimize_inference
 from ..passes.backward import run_backward_passes
-from ..passes.rows import select_rows_early
 from ..passes.zero_grads import specialise_zero_grads
 from .session import GraphRunner, make_session_options
 
@@ -66,7 +65,7 @@ class CompiledEntry:
     @property
     def inference(self) -> GraphRunner:
         if self._inference is None:
-            self._inference = self._runner(_for_inference(self.exported.model))
+            self._inference = self._runner(optimize_inference(self.exported.model))
         return self._inference
 
     @property
@@ -119,12 +118,6 @@ class CompiledEntry:
         runners = [self._inference, self._forward, self._backward]
         runners += [p[0] for p in self._partial_backward.values() if p is not None]
         return [r.session.end_profiling() for r in runners if r is not None]
-
-
-def _for_inference(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The exported forward with its rows nobody reads left out (NOTE [rows nobody reads])."""
-    irm = ir.from_proto(model)
-    return ir.to_proto(irm) if select_rows_early(irm.graph) else model
 
 
 def _for_session(backward: onnx.ModelProto) -> onnx.ModelProto:
