@@ -145,6 +145,19 @@ def test_train_batchnorm_runs_on_its_batch_statistics():
     assert all(next(a.i for a in n.attribute if a.name == "training_mode") == 0 for n in bns)
 
 
+def _step_like_eager(eager, wrapped, x, y, where: str) -> None:
+    """One cross-entropy forward/backward of both: loss, every .grad and every buffer agree."""
+    for m in (eager, wrapped):
+        m.zero_grad(set_to_none=True)
+        m.loss = F.cross_entropy(m(x), y)
+        m.loss.backward()
+    assert_close(wrapped.loss, eager.loss, 1e-5, f"loss at {where}")
+    for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at {where}")
+    for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
+        assert_close(bo.float(), be.float(), 1e-5, f"{n} at {where}")
+
+
 def test_batchnorm_and_cross_entropy_with_dynamic_batch():
     """The forward passes (batch-stats BN, lowered cross-entropy) across batch sizes, the last one
     partial: outputs, gradients and running statistics follow eager at every size."""
@@ -153,16 +166,7 @@ def test_batchnorm_and_cross_entropy_with_dynamic_batch():
                           nn.Linear(4 * 36, 5))
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
     for b in (6, 4, 3, 6):
-        x, y = torch.randn(b, 3, 8, 8), torch.randint(0, 5, (b,))
-        for m in (eager, wrapped):
-            m.zero_grad(set_to_none=True)
-            m.loss = F.cross_entropy(m(x), y)
-            m.loss.backward()
-        assert_close(wrapped.loss, eager.loss, 1e-5, f"loss at batch {b}")
-        for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
-            assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at batch {b}")
-        for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
-            assert_close(bo.float(), be.float(), 1e-5, f"{n} at batch {b}")
+        _step_like_eager(eager, wrapped, torch.randn(b, 3, 8, 8), torch.randint(0, 5, (b,)), f"batch {b}")
     # NOTE [batch-dynamic graphs]: the Conv rule needs static spatial dims, so the graph is dynamic in
     # the batch only: the all-dims export, the batch-dynamic one, one verification at batch 4; then
     # batch 3 (the partial batch) and 6 run on the same graph and sessions.
@@ -178,16 +182,7 @@ def test_conv_model_across_batch_sizes_and_image_sizes():
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
     for b, hw in [(4, 8), (3, 8), (5, 8), (4, 12), (2, 12), (2, 8)]:
-        x, y = torch.randn(b, 3, hw, hw), torch.randint(0, 3, (b,))
-        for m in (eager, wrapped):
-            m.zero_grad(set_to_none=True)
-            m.loss = F.cross_entropy(m(x), y)
-            m.loss.backward()
-        assert_close(wrapped.loss, eager.loss, 1e-5, f"loss at {b}x{hw}")
-        for (n, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
-            assert_close(po.grad, pe.grad, 1e-4, f"{n}.grad at {b}x{hw}")
-        for (n, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
-            assert_close(bo.float(), be.float(), 1e-5, f"{n} at {b}x{hw}")
+        _step_like_eager(eager, wrapped, torch.randn(b, 3, hw, hw), torch.randint(0, 3, (b,)), f"{b}x{hw}")
         if (b, hw) == (5, 8):
             assert wrapped.stats.exports == 3, "batch 5 must reuse the graph verified at batch 3"
 
