@@ -19,7 +19,7 @@ from torch import nn
 
 from .errors import ExportError, GradientRuleError, ORTModuleError
 from .export import export_module
-from .export.dynamic import DynamicExport
+from .export.dynamic import DynamicExport, non_batch_dims
 from .export.torchscript import ExportedModel, input_name, mask_name
 from .function import ORTFunction, write_back
 from .io import flatten_inputs, make_signature
@@ -306,7 +306,11 @@ class ORTModule(nn.Module):
             else:
                 dyn = self._dynamic.get(shapeless)
                 if dyn is None or dyn.reference is failed:
-                    self._dynamic.put(shapeless, DynamicExport.start(exported, sig.shapes()))
+                    # Under the shape-less key it marks the model batch-dynamic; under its sizes it
+                    # serves (and is verified for) other batch sizes of them.
+                    start = DynamicExport.start(exported, sig.shapes())
+                    self._dynamic.put(shapeless, start)
+                    self._dynamic.put((shapeless, non_batch_dims(sig.shapes())), start)
                 return exported, entry
         dyn = self._dynamic.get(shapeless)
         if dyn is not None:
@@ -341,15 +345,19 @@ class ORTModule(nn.Module):
         if exported is not None:
             return exported
         shapeless, shapes = sig.shapeless(), sig.shapes()
-        dyn = self._dynamic.get(shapeless)
+        dkey = shapeless
+        dyn = self._dynamic.get(dkey)
+        batch_only = dyn is not None and dyn.batch_only
+        if batch_only:  # NOTE [batch-dynamic graphs]: one graph per set of non-batch sizes
+            dkey = (shapeless, non_batch_dims(shapes))
+            dyn = self._dynamic.get(dkey)
         if dyn is not None and dyn.covers(shapes):
             exported = dyn.reference
         else:
-            exported = self._export(sig, *args, dynamic=dyn is None or not dyn.static,
-                                    batch_only=dyn is not None and dyn.batch_only)
+            exported = self._export(sig, *args, dynamic=dyn is None or not dyn.static, batch_only=batch_only)
             if dyn is None:
                 if exported.dynamic:
-                    self._dynamic.put(shapeless, DynamicExport.start(exported, shapes))
+                    self._dynamic.put(dkey, DynamicExport.start(exported, shapes))
             elif dyn.verify(exported, shapes):
                 logger.info("graph verified shape-generic for dims %s", sorted(dyn.verified))
                 exported = dyn.reference

@@ -14,8 +14,8 @@
 # Conv's spatial dims). When the all-dims-dynamic graph cannot be differentiated, the module is
 # exported again with only dim 0 of each input symbolic; that graph is verified across batch sizes
 # as above and serves every shape that differs only in dim 0 (a partial last batch). A shape that
-# differs elsewhere (another image size) gets an export of its own. Only if the batch-dynamic graph
-# fails too is the model shape-specialised.
+# differs elsewhere (another image size) gets a batch-dynamic graph of its own, verified across batch
+# sizes in turn. Only if the batch-dynamic graph fails too is the model shape-specialised.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from .semantics import MaskSpec
 from .torchscript import ExportedModel
 
 Shapes = tuple[tuple[int, ...], ...]
+
+
+def non_batch_dims(shapes: Shapes) -> Shapes:
+    """Each input's sizes but the first: what a batch-dynamic graph has fixed."""
+    return tuple(s[1:] for s in shapes)
 
 
 def _attribute_key(a: onnx.AttributeProto) -> bytes:
