@@ -96,6 +96,37 @@ def test_gpt2_lm_parity_with_tied_embeddings():
     assert counter.count == 0
 
 
+def _roberta():
+    cfg = transformers.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=40, pad_token_id=1)
+    return transformers.RobertaForSequenceClassification(cfg)
+
+
+def _distilbert():
+    cfg = transformers.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+    return transformers.DistilBertForSequenceClassification(cfg)
+
+
+@pytest.mark.parametrize("build", [_roberta, _distilbert], ids=["roberta", "distilbert"])
+def test_other_encoder_classifiers_compute_the_pooled_row_only(build):
+    """NOTE [rows nobody reads] on other [CLS]-pooling classifiers (dropout on, same masks as eager)."""
+    torch.manual_seed(0)
+    model = build().train()
+    g = torch.Generator().manual_seed(3)
+    batches = [{"input_ids": torch.randint(2, 100, (3, 12), generator=g), "labels": torch.tensor([0, 1, 1])}
+               for _ in range(2)]
+    calls = iter(range(100))
+
+    def kwargs_fn(batch):  # eager, then ORT: the same dropout masks
+        torch.manual_seed(next(calls) // 2)
+        return batch
+
+    wrapped = train_side_by_side(model, batches, lambda out, b: out.loss, rtol=2e-3, optimizer=ADAMW,
+                                 kwargs_fn=kwargs_fn)
+    (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+    assert sum("/rows/" in n.name for n in entry.graphs.forward.graph.node) >= 5
+
+
 @pytest.mark.parametrize("build,batches", [(gpt2, gpt2_batches), (bert, bert_batches)], ids=["gpt2", "bert"])
 def test_evaluation_runs_the_optimized_inference_graph(build, batches, monkeypatch):
     """eval + no_grad: the inference session gets the inference passes and the lowered cross-entropy
