@@ -78,3 +78,17 @@ def test_bench_eval_quick():
     assert len(rows) == 2, proc.stdout
     for row in rows:  # the largest output difference against eager is tiny
         assert float(row.strip("| ").split("|")[-1]) < 1e-4, row
+
+
+RSS = ROOT / "benchmarks" / "rss_imports.py"
+
+
+@pytest.mark.skipif(not RSS.exists(), reason="benchmarks/ not present")
+def test_rss_imports_table():
+    proc = subprocess.run([sys.executable, str(RSS)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "MB" not in line]
+    assert [r.split("|")[1].strip().split(" (")[0] for r in rows] == [
+        "python", "import torch", "eager MLP step", "import onnxruntime", "import onnx", "import onnx_ir",
+        "import ortmodule", "ORTModule MLP step"]
+    assert all(float(r.split("|")[2]) > 0 for r in rows)
