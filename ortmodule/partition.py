@@ -16,7 +16,7 @@ import onnx_ir as ir
 from .autodiff import build_gradient, differentiable_values
 from .export import ExportedModel
 from .export.torchscript import input_name, mask_name
-from .passes import lower_softmax_cross_entropy, run_forward_passes
+from .passes import lower_softmax_cross_entropy, run_forward_passes, score_ranks
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
 # Size and the integer arithmetic on their results) run in the forward model instead: saving a
@@ -254,10 +254,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         dict(model.opset_imports),
         "ortmodule_forward",
     )
-    lower_softmax_cross_entropy(forward, {
-        n.inputs[0].name: n.inputs[0].shape.rank() for n in fwd_keep
-        if n.op_type == "SoftmaxCrossEntropyLoss" and n.inputs[0].shape is not None
-    })
+    lower_softmax_cross_entropy(forward, score_ranks(fwd_keep))
 
     # Backward model.
     grad_out_vals = list(grad.grad_outputs)

@@ -169,6 +169,12 @@ def pool_before_relu(graph: ir.Graph) -> int:
 FORWARD_PASSES = (drop_noop_casts, select_rows_early, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu)
 
 
+def score_ranks(nodes) -> dict[str, int]:
+    """The rank of each SoftmaxCrossEntropyLoss's scores among ``nodes`` (ir), for the lowering."""
+    return {n.inputs[0].name: n.inputs[0].shape.rank() for n in nodes
+            if n.op_type == "SoftmaxCrossEntropyLoss" and n.inputs[0].shape is not None}
+
+
 def lower_softmax_cross_entropy(model: onnx.ModelProto, ranks: dict[str, int]) -> int:
     """In a forward model, split ``SoftmaxCrossEntropyLoss(scores [N, C], labels) -> (loss[, log_prob])``
     into ``LogSoftmax`` + ``NegativeLogLikelihoodLoss``.
@@ -215,8 +221,7 @@ def optimize_inference(model: onnx.ModelProto) -> onnx.ModelProto:
     lowering; ``model`` itself (unchanged) where none applies."""
     irm = ir.from_proto(model)
     changed = sum(p(irm.graph) for p in INFERENCE_PASSES)
-    ranks = {n.inputs[0].name: n.inputs[0].shape.rank() for n in irm.graph
-             if n.op_type == "SoftmaxCrossEntropyLoss" and n.inputs[0].shape is not None}
+    ranks = score_ranks(irm.graph)
     optimized = ir.to_proto(irm)
     changed += lower_softmax_cross_entropy(optimized, ranks)
     return optimized if changed else model
