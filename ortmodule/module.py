@@ -20,7 +20,7 @@ from torch import nn
 from .errors import ExportError, GradientRuleError, ORTModuleError
 from .export import export_module
 from .export.dynamic import DynamicExport, non_batch_dims
-from .export.torchscript import ExportedModel, input_name, mask_name
+from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, logger
@@ -273,6 +273,11 @@ class ORTModule(nn.Module):
     def _compile(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad) -> CompiledEntry:
         args = (flat, params, param_names, buffers, buffer_names)
         exported = self._export_for(sig, *args)
+        if exported.grad_mask is not None and exported.grad_mask != grad_mask(flat.tensors, params):
+            raise ExportError(
+                "the graph was exported with a reentrant torch.utils.checkpoint whose gradients depend on "
+                "which inputs and parameters require grad, and that changed since; use use_reentrant=False"
+            )
         device = _device_of(flat.tensors, params)
         requires_grad = None
         if needs_grad:

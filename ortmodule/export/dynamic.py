@@ -16,6 +16,12 @@
 # as above and serves every shape that differs only in dim 0 (a partial last batch). A shape that
 # differs elsewhere (another image size) gets a batch-dynamic graph of its own, verified across batch
 # sizes in turn. Only if the batch-dynamic graph fails too is the model shape-specialised.
+#
+# NOTE [shape-conditional graphs]: Python that reads an input size (``if x.shape[0] >= 4``,
+# ``range(x.size(1))``; NOTE [trace traps]) may take another branch at another size, and two
+# exports agreeing at batch 8 and 6 prove nothing about batch 2. Such a graph serves only the exact
+# shapes it was exported or verified at: each new shape is exported again and compared (the
+# sessions are still shared when the graphs agree), never assumed.
 """
 
 from __future__ import annotations
@@ -102,10 +108,16 @@ class DynamicExport:
     observations: list[tuple[Shapes, tuple[MaskSpec, ...]]]
     verified: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     static: bool = False  # the graph was seen to change with the shape
+    exact: set[Shapes] = dataclasses.field(default_factory=set)  # shapes a conditional graph serves
+
+    @property
+    def shape_conditional(self) -> bool:
+        """NOTE [shape-conditional graphs]: the graph holds only for the shapes in ``exact``."""
+        return bool(self.reference.shape_conditions)
 
     @classmethod
     def start(cls, exported: ExportedModel, shapes: Shapes) -> DynamicExport:
-        return cls(exported, shapes, graph_fingerprint(exported.model), [(shapes, exported.masks)])
+        return cls(exported, shapes, graph_fingerprint(exported.model), [(shapes, exported.masks)], exact={shapes})
 
     @property
     def batch_only(self) -> bool:
@@ -115,7 +127,11 @@ class DynamicExport:
         return {(i, j) for i, (a, b) in enumerate(zip(self.ref_shapes, shapes)) for j in range(len(a)) if a[j] != b[j]}
 
     def covers(self, shapes: Shapes) -> bool:
-        return not self.static and self.differing_dims(shapes) <= self.verified
+        if self.static:
+            return False
+        if self.shape_conditional:
+            return shapes in self.exact
+        return self.differing_dims(shapes) <= self.verified
 
     def may_serve(self, shapes: Shapes) -> bool:
         """Whether a graph exported at ``shapes`` could be verified to be this one: a batch-only
@@ -126,6 +142,8 @@ class DynamicExport:
         """Compare ``candidate`` (exported at ``shapes``) with the reference; True if it can serve."""
         if self.static or not self.may_serve(shapes):
             return False
+        if candidate.shape_conditions and not self.reference.shape_conditions:
+            self.reference.shape_conditions = candidate.shape_conditions
         if graph_fingerprint(candidate.model) != self.fingerprint:
             self.static = True
             return False
@@ -136,5 +154,6 @@ class DynamicExport:
             return False
         self.observations = observations
         self.verified |= self.differing_dims(shapes)
+        self.exact.add(shapes)
         self.reference.masks = masks
         return True

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .traps import NOT_REWRITTEN, TraceWatch, rewrite
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
@@ -234,8 +236,15 @@ class _Base(TorchFunctionMode):
     def _batch_norm(self, func, args, kwargs):
         return func(*args, **kwargs)
 
+    watch: TraceWatch | None = None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.watch is not None:  # NOTE [trace traps]
+            self.watch.on_call(func, args)
+            out = rewrite(func, args, kwargs)
+            if out is not NOT_REWRITTEN:
+                return out
         if func is F.dropout:
             x, p, training = _dropout_args(func, args, kwargs)
             if training and p > 0.0:
@@ -290,9 +299,10 @@ class _Base(TorchFunctionMode):
 class ExportSemantics(_Base):
     """Trace pass: dropout reads its mask from graph inputs; BatchNorm updates its stats explicitly."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: TraceWatch | None = None) -> None:
         super().__init__()
         self.masks: list[MaskSpec] = []
+        self.watch = watch
 
     def dropout(self, x, p):
         if p >= 1.0:

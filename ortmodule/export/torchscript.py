@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
 from .semantics import ExportSemantics, MaskSpec, define_mask_op, mark_stop_gradients, masks_to_inputs
+from .traps import TraceWatch, UnsupportedTrace, intercept_functions
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -58,6 +59,12 @@ class ExportedModel:
     dynamic: bool = False
     batch_only: bool = False  # dynamic in dim 0 of each user input only (NOTE [batch-dynamic graphs])
     input_shapes: tuple[tuple[int, ...], ...] = ()  # the user inputs' shapes at export time
+    # Python read user input sizes during the trace (NOTE [shape-conditional graphs]): the graph
+    # serves exactly the input shapes it was exported or verified at.
+    shape_conditions: tuple[str, ...] = ()
+    # Which user inputs and parameters required grad at export, where the graph depends on it (a
+    # reentrant checkpoint: NOTE [trace traps]); None where it does not.
+    grad_mask: tuple[bool, ...] | None = None
 
 
 @contextlib.contextmanager
@@ -101,6 +108,8 @@ class _Flat(nn.Module):
         self.num_user_outputs = 0
         self.mutated: tuple[int, ...] = ()
         self.semantics: ExportSemantics | None = None
+        self.watch = TraceWatch()
+        self.trainable: list[bool] = []  # per parameter: requires_grad (the trace sees detached copies)
         self.forward_error: Exception | None = None
 
     def forward(self, *tensors: torch.Tensor):
@@ -114,12 +123,18 @@ class _Flat(nn.Module):
         swap.update({n: b for names, b in zip(self.buffer_names, clones) for n in names})
         args, kwargs = self.flat.rebuild(user)
         module = getattr(self, WRAPPER_ATTR)
-        self.semantics = ExportSemantics()
-        with swap_tensors(module, swap), self.semantics:
+        grad_sources = [t for t in user if t.requires_grad]
+        grad_sources += [p for p, trainable in zip(params, self.trainable) if trainable]
+        self.watch.watch_inputs(user, [*params, *buffers], grad_sources)
+        self.semantics = ExportSemantics(self.watch)
+        with swap_tensors(module, swap), intercept_functions(self.watch), self.semantics:
             try:
                 out = module(*args, **kwargs)
+            except UnsupportedTrace:
+                raise
             except Exception as exc:
-                self.forward_error = exc
+                if self.watch.failure() is None:
+                    self.forward_error = exc
                 raise
         outs, self.output_spec = flatten_outputs(out, user)
         self.num_user_outputs = len(outs)
@@ -146,7 +161,12 @@ def export_module(
     the caller (NOTE [dynamic shapes]). With ``batch_only`` as well, only dim 0 of each input is.
     """
     wrapper = _Flat(module, flat, param_names, buffer_names)
-    inputs = tuple(flat.tensors) + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
+    wrapper.trainable = [p.requires_grad for p in params]
+    # NOTE [inputs mutated in place]: the trace runs on copies of the user's tensors, so an in-place
+    # op in forward does not change the caller's tensor at export time (then again in the run).
+    user = tuple(_trace_copy(t) for t in flat.tensors)
+    versions = [t._version for t in user]
+    inputs = user + tuple(p.detach() for p in params) + tuple(b.detach() for b in buffers)
     names = [input_name(i) for i in range(len(flat.tensors))]
     names += [n[0] for n in param_names] + [n[0] for n in buffer_names]
     define_mask_op()
@@ -174,11 +194,24 @@ def export_module(
             # NOTE [user errors]: the module's own forward raised (wrong shape, dtype, ...): that is
             # the error eager PyTorch gives, so it is raised as is, never hidden by a fallback.
             raise wrapper.forward_error from None
+        trap = wrapper.watch.failure() or (str(exc) if isinstance(exc, UnsupportedTrace) else None)
+        if trap is not None:
+            raise ExportError(f"{type(module).__name__}: {trap}") from exc
         raise ExportError(
             f"torch.onnx.export failed for {type(module).__name__}: {type(exc).__name__}: {exc}"
         ) from exc
     if wrapper.output_spec is None:
         raise ExportError(f"{type(module).__name__}.forward was not traced")
+    trap = wrapper.watch.failure()
+    if trap is not None:
+        raise ExportError(f"{type(module).__name__}: {trap}")
+    mutated_inputs = [i for i, (t, v) in enumerate(zip(user, versions)) if t._version != v]
+    if mutated_inputs:
+        raise ExportError(
+            f"{type(module).__name__}.forward modifies its input tensor(s) {mutated_inputs} (positions among "
+            "the tensors of the call) in place: eager PyTorch changes the caller's tensor, a graph "
+            "run cannot. Write `x = x * 2` instead of `x.mul_(2)` to keep it in ONNX Runtime"
+        )
     model = onnx.load_from_string(buf.getvalue())
     masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
     masks_to_inputs(model, list(masks), mask_name, dynamic)
@@ -198,4 +231,16 @@ def export_module(
         dynamic=dynamic,
         batch_only=dynamic and batch_only,
         input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
+        shape_conditions=tuple(dict.fromkeys(str(c) for c in wrapper.watch.shape_conditional)),
+        grad_mask=grad_mask(flat.tensors, params) if wrapper.watch.grad_sensitive else None,
     )
+
+
+def grad_mask(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    """requires_grad of every user input and parameter (see ``ExportedModel.grad_mask``)."""
+    return tuple(bool(t.requires_grad) for t in (*inputs, *params))
+
+
+def _trace_copy(t: torch.Tensor) -> torch.Tensor:
+    copy = t.detach().clone()
+    return copy.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else copy

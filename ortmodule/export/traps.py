@@ -1,0 +1,345 @@
+"""Trace traps: what the TorchScript tracer would record wrongly without a word, caught during the trace.
+
+# NOTE [trace traps]: the tracer runs the forward once and records the tensor ops it sees. Four
+# patterns come out silently wrong in the graph, so the export watches for them:
+#
+# - Python reading a traced tensor (``bool(t)``, ``t.item()``, ``int(t)``, ``len(t)``, ``t.tolist()``
+#   ...): the value is baked into the graph as a constant. Each conversion is classified by walking
+#   the traced value's producers: reached from a user input's or a parameter's/buffer's DATA, it is
+#   a "value" conversion and the graph is wrong as soon as the data changes, so the export fails
+#   (fallback, naming the line); reached only from the SIZES of user inputs (``if x.shape[0] > 4``,
+#   ``range(x.size(1))``), it is a "shape" conversion and the graph is valid for that exact input
+#   shape only (NOTE [shape-conditional graphs]); from constants or parameter shapes, it is safe.
+#   Conversions inside torch functions (e.g. F.batch_norm's size check) run below the mode and are
+#   not seen; they depend on sizes the signature already fixes or on constants.
+# - A custom ``torch.autograd.Function``: its forward runs without grad, so its ops are recorded
+#   as if under ``no_grad`` and its backward is lost. The export fails naming the class, except
+#   torch's reentrant checkpoint Function, which is traced as the plain call it recomputes.
+# - ``index_add`` / ``index_put(accumulate=True)``: exported as a scatter without reduction, wrong
+#   with duplicate indices. They are rewritten to ``scatter_add`` (ScatterElements, reduction=add).
+# - ``//`` (``floor_divide``) on integers: exported as a truncating Div. Rewritten to
+#   ``torch.div(..., rounding_mode="floor")``, which the exporter writes with the sign fix-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+CONSTANT, SHAPE, VALUE = 0, 1, 2
+
+# Tensor -> Python conversions, and what they read: the tensor's value, or only its size.
+_READS_VALUE = {
+    torch.Tensor.__bool__: "bool(tensor)",
+    torch.Tensor.item: "tensor.item()",
+    torch.Tensor.__int__: "int(tensor)",
+    torch.Tensor.__float__: "float(tensor)",
+    torch.Tensor.__index__: "a tensor used as a Python index",
+    torch.Tensor.tolist: "tensor.tolist()",
+    torch.Tensor.numpy: "tensor.numpy()",
+    torch.Tensor.__complex__: "complex(tensor)",
+}
+_READS_SIZE = {
+    torch.Tensor.__len__: "len(tensor)",
+    torch.Tensor.numel: "tensor.numel()",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """One tensor -> Python conversion seen during the trace."""
+
+    kind: int  # SHAPE or VALUE
+    what: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.what} at {self.where}"
+
+
+def user_location() -> str:
+    """``file:line in function`` of the innermost frame outside torch and ortmodule."""
+    for frame in reversed(traceback.extract_stack()):
+        f = frame.filename
+        if f.startswith((_TORCH_DIR, _OWN_DIR)) or f.startswith("<") or "contextlib" in f:
+            continue
+        return f"{f}:{frame.lineno} in {frame.name}"
+    return "an unknown place"
+
+
+class TraceWatch:
+    """What the trace did that the graph cannot show: conversions and custom Functions."""
+
+    def __init__(self) -> None:
+        self.conversions: list[Conversion] = []
+        self.functions: list[tuple[str, str]] = []  # (class name, where)
+        self.other: list[str] = []  # other reasons the graph cannot be trusted
+        self._user: set[int] = set()  # unique() of the traced values of user inputs
+        self._state: set[int] = set()  # ... of parameters and buffers
+        self._memo: dict[int, int] = {}
+
+    def watch_inputs(self, user: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
+                     grad_sources: Sequence[torch.Tensor] = ()) -> None:
+        """The traced inputs; ``grad_sources``: those that require grad in eager (trainable
+        parameters, user inputs with requires_grad), which the trace itself does not show."""
+        self._user = {v for v in (_trace_id(t) for t in user) if v is not None}
+        self._state = {v for v in (_trace_id(t) for t in state) if v is not None}
+        self._grad = {v for v in (_trace_id(t) for t in grad_sources) if v is not None}
+        self.grad_sensitive = False  # the graph assumed which inputs require grad
+
+    def requires_grad_in_eager(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` would require grad in eager PyTorch: it is computed from a grad source."""
+        try:
+            start = torch._C._get_value_trace(t)
+        except RuntimeError:
+            return False
+        stack, seen = [start], set()
+        while stack:
+            v = stack.pop()
+            if v.unique() in seen:
+                continue
+            seen.add(v.unique())
+            if v.unique() in self._grad:
+                return True
+            node = v.node()
+            if node.kind() in ("aten::size", "aten::detach", "ortmodule::stop_gradient"):
+                continue
+            stack.extend(node.inputs())
+        return False
+
+    # -- classification -------------------------------------------------------------------------
+    def _depends(self, value, through_size: bool) -> int:
+        """How ``value`` depends on the inputs: CONSTANT, SHAPE (user input sizes) or VALUE."""
+        key = (value.unique(), through_size)
+        if key in self._memo:
+            return self._memo[key]
+        uid = value.unique()
+        if uid in self._user:
+            result = SHAPE if through_size else VALUE
+        elif uid in self._state:
+            result = CONSTANT if through_size else VALUE  # parameter shapes are in the signature
+        else:
+            node = value.node()
+            kind = node.kind()
+            result = CONSTANT
+            if kind in ("aten::size", "aten::numel", "aten::sym_size"):
+                inputs = list(node.inputs())[:1]
+                sized = True
+            else:
+                inputs = list(node.inputs())
+                sized = through_size
+            for inp in inputs:
+                result = max(result, self._depends(inp, sized))
+                if result == VALUE:
+                    break
+        self._memo[key] = result
+        return result
+
+    def classify(self, t: torch.Tensor, size_only: bool) -> int:
+        if not torch._C._get_tracing_state():
+            return CONSTANT
+        try:
+            value = torch._C._get_value_trace(t)
+        except RuntimeError:
+            return CONSTANT  # not traced: a constant tensor made during the forward
+        return self._depends(value, size_only)
+
+    def on_call(self, func, args) -> None:
+        """Record ``func`` if it converts a traced tensor to Python."""
+        what = _READS_VALUE.get(func)
+        size_only = False
+        if what is None:
+            what = _READS_SIZE.get(func)
+            size_only = True
+        if what is None or not args or not isinstance(args[0], torch.Tensor):
+            return
+        kind = self.classify(args[0], size_only)
+        if kind != CONSTANT:
+            self.conversions.append(Conversion(kind, what, user_location()))
+
+    # -- results --------------------------------------------------------------------------------
+    @property
+    def shape_conditional(self) -> tuple[Conversion, ...]:
+        return tuple(c for c in self.conversions if c.kind == SHAPE)
+
+    def failure(self) -> str | None:
+        """Why the traced graph cannot be trusted at all, or None."""
+        if self.functions:
+            names = ", ".join(f"'{n}' ({w})" for n, w in dict.fromkeys(self.functions))
+            return (
+                f"forward calls the custom torch.autograd.Function {names}: its forward is traced "
+                "without its backward, so ortmodule cannot reproduce its gradient yet"
+            )
+        if self.other:
+            return self.other[0]
+        values = [c for c in self.conversions if c.kind == VALUE]
+        if values:
+            listed = "; ".join(str(c) for c in list(dict.fromkeys(values))[:3])
+            return (
+                f"forward reads tensor values into Python ({listed}): the graph would keep the "
+                "value of the traced call for every later call. Keep the computation in tensor ops "
+                "(e.g. torch.where instead of `if`), or run this module eagerly"
+            )
+        return None
+
+
+def _trace_id(t: torch.Tensor) -> int | None:
+    try:
+        return torch._C._get_value_trace(t).unique()
+    except RuntimeError:
+        return None
+
+
+# -- rewrites of ops the exporter gets wrong ------------------------------------------------------
+
+NOT_REWRITTEN = object()
+
+
+def _bind(names: Sequence[str], defaults: dict, args, kwargs) -> dict:
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _index_add(self_: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, alpha=1) -> torch.Tensor:
+    """``self.index_add(dim, index, source, alpha)`` as a scatter_add (exact with repeated indices)."""
+    dim = dim + self_.dim() if dim < 0 else dim
+    if self_.dim() == 0:
+        return self_ + (source * alpha).sum()
+    source = source * alpha if not (isinstance(alpha, (int, float)) and alpha == 1) else source
+    if source.dim() == 0:
+        source = source.reshape([1])
+    shape = [1] * source.dim()
+    shape[dim] = -1
+    index = index.reshape(shape).expand_as(source)
+    return self_.scatter_add(dim, index, source.to(self_.dtype))
+
+
+def _index_put(self_: torch.Tensor, indices, values: torch.Tensor) -> torch.Tensor | object:
+    """``self.index_put(indices, values, accumulate=True)`` for integer index tensors on leading dims."""
+    indices = list(indices)
+    if not indices or any(i is None or i.dtype in (torch.bool, torch.uint8) or i.is_floating_point()
+                          for i in indices):
+        return NOT_REWRITTEN
+    k = len(indices)
+    lead = self_.shape[:k]
+    rest = self_.shape[k:]
+    idx = torch.broadcast_tensors(*indices)
+    linear = None
+    for j, ij in enumerate(idx):
+        size = lead[j]
+        ij = torch.where(ij < 0, ij + size, ij)
+        linear = ij if linear is None else linear * size + ij
+    flat_idx = linear.reshape(-1)
+    vals = values.to(self_.dtype).expand(tuple(idx[0].shape) + tuple(rest)).reshape((-1, *rest))
+    flat = self_.reshape((-1, *rest))
+    return _index_add(flat, 0, flat_idx, vals).reshape(self_.shape)
+
+
+def rewrite(func, args, kwargs):
+    """The exact formulation of an op the exporter gets wrong, or ``NOT_REWRITTEN``."""
+    if func in _FLOOR_DIVIDE:
+        a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
+        if func in (torch.Tensor.__rfloordiv__,):
+            a, b = b, a
+        out = torch.div(a, b, rounding_mode="floor")
+        if func in (torch.Tensor.__ifloordiv__, torch.Tensor.floor_divide_):
+            return args[0].copy_(out)
+        return out
+    if func in _INDEX_ADD:
+        b = _bind(("self", "dim", "index", "source"), {"alpha": 1}, args, kwargs)
+        out = _index_add(b["self"], b["dim"], b["index"], b["source"], b["alpha"])
+        if func is torch.Tensor.index_add_:
+            return b["self"].copy_(out)
+        return out
+    if func in _INDEX_PUT:
+        b = _bind(("self", "indices", "values", "accumulate"), {"accumulate": False}, args, kwargs)
+        if not b["accumulate"]:
+            return NOT_REWRITTEN
+        out = _index_put(b["self"], b["indices"], b["values"])
+        if out is NOT_REWRITTEN:
+            raise UnsupportedTrace(
+                f"index_put_(accumulate=True) with boolean or None indices at {user_location()}: the "
+                "exporter writes it as a scatter without accumulation"
+            )
+        if func is torch.Tensor.index_put_:
+            return b["self"].copy_(out)
+        return out
+    return NOT_REWRITTEN
+
+
+_FLOOR_DIVIDE = {torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.floor_divide_,
+                 torch.Tensor.__floordiv__, torch.Tensor.__rfloordiv__, torch.Tensor.__ifloordiv__}
+_INDEX_ADD = {torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_}
+_INDEX_PUT = {torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_}
+
+
+class UnsupportedTrace(Exception):
+    """The forward did something the trace cannot capture exactly (raised inside the trace)."""
+
+
+# -- custom autograd Functions -------------------------------------------------------------------
+
+_local = threading.local()
+
+
+_installed = threading.Lock()
+
+
+def _install_apply_hook() -> None:
+    """Wrap ``torch.autograd.Function.apply`` once: a no-op unless this thread is tracing for us."""
+    base = torch.autograd.Function
+    with _installed:
+        if getattr(base.apply, "_ortmodule_hook", False):
+            return
+        from torch.utils.checkpoint import CheckpointFunction
+
+        original = base.__dict__["apply"].__func__
+
+        def apply(cls, *args, **kwargs):
+            watch = getattr(_local, "watch", None)
+            if watch is not None and torch._C._get_tracing_state():
+                if cls is CheckpointFunction:
+                    function, _preserve_rng, *inputs = args
+                    watch.grad_sensitive = True
+                    if not any(isinstance(t, torch.Tensor) and watch.requires_grad_in_eager(t) for t in inputs):
+                        # Eager gives the checkpointed parameters no gradient then ("None of the
+                        # inputs have requires_grad=True"), and which inputs require grad is not
+                        # part of the export key: not reproduced.
+                        watch.other.append(
+                            f"torch.utils.checkpoint(use_reentrant=True) at {user_location()} gets no input "
+                            "that requires grad, so eager PyTorch gives the parameters inside no gradient; "
+                            "use use_reentrant=False"
+                        )
+                    return function(*inputs)
+                watch.functions.append((cls.__qualname__, user_location()))
+            return original(cls, *args, **kwargs)
+
+        apply._ortmodule_hook = True
+        base.apply = classmethod(apply)
+
+
+@contextlib.contextmanager
+def intercept_functions(watch: TraceWatch) -> Iterator[None]:
+    """Record every custom ``autograd.Function`` the forward applies (NOTE [trace traps]).
+
+    torch's reentrant checkpoint runs as the plain call it wraps: its gradient is the gradient of
+    that call (the recompute in the backward is an eager memory saving, not a different function).
+    """
+    _install_apply_hook()
+    outer = getattr(_local, "watch", None)
+    _local.watch = watch
+    try:
+        yield
+    finally:
+        _local.watch = outer

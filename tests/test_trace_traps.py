@@ -1,0 +1,352 @@
+"""Issue 13: what the tracer would record wrongly without a word (NOTE [trace traps]) either matches eager
+PyTorch or falls back naming the cause: custom autograd Functions, tensor values and sizes read into
+Python, index_add / index_put(accumulate=True) with repeated indices, integer floor division, inputs
+mutated in place, reentrant activation checkpointing."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ortmodule import ORTModule
+from ortmodule.errors import ExportError
+
+from .helpers import assert_close
+
+
+def _compare(model: nn.Module, calls: list[tuple], *, rtol: float = 1e-5, expect_fallback: str | None = None):
+    """Each call's outputs and every parameter's .grad, eager against ORTModule; the fallback count."""
+    eager = copy.deepcopy(model)
+    wrapped = ORTModule(copy.deepcopy(model))
+    for step, args in enumerate(calls):
+        grads = []
+        outs = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for m in (eager, wrapped):
+                m.zero_grad(set_to_none=True)
+                out = m(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+                out.float().pow(2).sum().backward()
+                outs.append(out.detach())
+                grads.append([p.grad for p in m.parameters()])
+        assert_close(outs[1].float(), outs[0].float(), rtol, f"output of call {step}")
+        for k, (ge, go) in enumerate(zip(*grads)):
+            if ge is None:
+                assert go is None, f"grad {k} should be None at call {step}"
+            else:
+                assert go is not None, f"grad {k} is None at call {step}"
+                assert_close(go, ge, rtol, f"grad {k} at call {step}")
+        fallback_warnings = [str(w.message) for w in caught if "falls back" in str(w.message)]
+        if expect_fallback is None:
+            assert not fallback_warnings, fallback_warnings
+    if expect_fallback is None:
+        assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+    else:
+        assert wrapped.stats.fallbacks >= 1
+        assert expect_fallback in wrapped.stats.last_fallback_reason, wrapped.stats.last_fallback_reason
+    return wrapped
+
+
+# -- custom autograd Functions -----------------------------------------------------------------------
+
+
+class RoundSTE(torch.autograd.Function):
+    """Straight-through rounding (quantisation-aware training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class GradReverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training)."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.scale * g, None
+
+
+class MyGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        cdf = 0.5 * (1 + torch.erf(x / 2**0.5))
+        pdf = torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+        return g * (cdf + x * pdf)
+
+
+class FunctionMLP(nn.Module):
+    def __init__(self, fn: str) -> None:
+        super().__init__()
+        self.fn = fn
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.fn == "ste":
+            h = RoundSTE.apply(h * 4) / 4
+        elif self.fn == "reverse":
+            h = GradReverse.apply(h, 0.5)
+        else:
+            h = MyGelu.apply(h)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("fn,cls", [("ste", "RoundSTE"), ("reverse", "GradReverse"), ("gelu", "MyGelu")])
+def test_custom_function_falls_back_naming_the_class(fn, cls):
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    _compare(FunctionMLP(fn), [(x,), (x * 2,)], expect_fallback=cls)
+    with pytest.raises(ExportError, match=cls):
+        ORTModule(FunctionMLP(fn), fallback="raise")(x)
+
+
+# -- tensor values and sizes read into Python -------------------------------------------------------------
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] >= 4:  # a size read by Python
+            return self.lin(x)
+        return self.lin(x) * 10
+
+
+def test_shape_dependent_branch_is_never_reused_for_another_shape():
+    torch.manual_seed(0)
+    calls = [(torch.randn(b, 8),) for b in (8, 6, 2, 2, 6, 3)]
+    wrapped = _compare(ShapeBranch(), calls)
+    # 8, 6: the same graph (verified), 2: another branch; 3: a new shape is exported again and compared.
+    assert wrapped.stats.exports == 4
+
+
+class LoopOverSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        out = h[:, 0]
+        for t in range(1, x.size(1)):  # a Python loop bound from a size
+            out = out + h[:, t]
+        return out
+
+
+def test_python_loop_over_a_size_follows_the_size():
+    torch.manual_seed(0)
+    calls = [(torch.randn(4, n, 8),) for n in (5, 3, 7, 3)]
+    _compare(nn.Sequential(LoopOverSize()), calls)
+
+
+class ItemBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.mean().item() > 0:  # a value read by Python
+            return self.lin(x)
+        return self.lin(x).neg()
+
+
+class ParamBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gate = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        scale = float(self.gate)  # a parameter's value read by Python: the optimizer changes it
+        return self.lin(x) * scale
+
+
+def test_value_read_into_python_falls_back_naming_the_line():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8).abs()
+    _compare(ItemBranch(), [(x,), (-x,), (x,)], expect_fallback="tensor.item()")
+    _compare(ParamBranch(), [(x,)], expect_fallback="float(tensor)")
+    with pytest.raises(ExportError, match="test_trace_traps.py"):
+        ORTModule(ItemBranch(), fallback="raise")(x)
+
+
+class ConstantRead(nn.Module):
+    """Reads constants and parameter SHAPES into Python: nothing depends on the inputs, no fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        k = int(torch.tensor(3))
+        n = len(self.lin.weight)
+        return self.lin(x) * k / n
+
+
+def test_constants_and_parameter_shapes_read_into_python_stay_in_ort():
+    torch.manual_seed(0)
+    wrapped = _compare(ConstantRead(), [(torch.randn(b, 8),) for b in (4, 6, 5)])
+    assert wrapped.stats.exports == 2  # shape-generic: the second export verifies the batch dim
+
+
+# -- scatters with repeated indices in the forward --------------------------------------------------------
+
+
+class IndexAddPool(nn.Module):
+    """Sum-pools token features into buckets (a graph-neural-network / segment-sum pattern)."""
+
+    def __init__(self, buckets: int, how: str) -> None:
+        super().__init__()
+        self.buckets, self.how = buckets, how
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, idx):
+        h = self.lin(x)
+        base = torch.zeros(self.buckets, 16)
+        if self.how == "index_add":
+            return base.index_add(0, idx, h, alpha=0.5)
+        if self.how == "index_add_":
+            return base.index_add_(0, idx, h)
+        if self.how == "index_put":
+            return base.index_put((idx,), h, accumulate=True)
+        if self.how == "index_put_2d":
+            grid = torch.zeros(4, self.buckets // 4, 16)
+            return grid.index_put_((idx % 4, idx // 4), h, accumulate=True).reshape(self.buckets, 16)
+        if self.how == "dim1":
+            return torch.zeros(16, self.buckets).index_add(1, idx, h.t())
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize("how", ["index_add", "index_add_", "index_put", "index_put_2d", "dim1"])
+def test_index_add_with_thousands_of_repeated_indices_matches_eager(how):
+    torch.manual_seed(0)
+    n = 8192
+    idx = torch.randint(0, 64, (n,))
+    idx[: n // 2] = 7  # one bucket read 4096+ times
+    calls = [(torch.randn(n, 16), idx), (torch.randn(n, 16), idx.flip(0))]
+    _compare(IndexAddPool(64, how), calls, rtol=1e-4)  # sums of 4096 terms: fp32 order
+
+
+# -- integer floor division -------------------------------------------------------------------------------
+
+
+class FloorDiv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 4)
+
+    def forward(self, counts):
+        a = counts // 3
+        b = torch.floor_divide(counts, -4)
+        c = counts.clone()
+        c //= 5
+        d = 7 // counts.clamp_min(1)
+        ids = (a - a.min() + b - b.min() + c - c.min() + d) % 16
+        f = counts.float() // 2.5
+        return self.emb(ids) * f.unsqueeze(-1)
+
+
+def test_integer_floor_division_floors_negative_values():
+    torch.manual_seed(0)
+    counts = torch.arange(-40, 40)
+    _compare(FloorDiv(), [(counts,), (counts.flip(0) * 3,)])
+
+
+# -- inputs mutated in place --------------------------------------------------------------------------------
+
+
+class MutatesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+def test_input_mutated_in_place_falls_back_and_is_mutated_once_like_eager():
+    torch.manual_seed(0)
+    model = MutatesInput()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        xe, xo = x.clone(), x.clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped(xo).sum().backward()
+        assert any("in place" in str(w.message) for w in caught) == (step == 0)  # one warning
+        eager(xe).sum().backward()
+        assert torch.equal(xo, xe) and torch.equal(xe, x * 2)
+    assert wrapped.stats.fallbacks == 1
+    for pe, po in zip(eager.parameters(), wrapped.parameters()):
+        assert_close(po.grad, pe.grad, 1e-6, "grad")
+
+
+# -- activation checkpointing -------------------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool, first: bool = False) -> None:
+        super().__init__()
+        self.reentrant, self.first = reentrant, first
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if self.first:  # checkpoint applied to the raw input: reentrant gives the block no gradient
+            h = checkpoint(self.block, x.repeat(1, 2), use_reentrant=self.reentrant)
+            return self.out(h + self.inp(x))
+        h = self.inp(x)
+        h = h + checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_inside_forward_matches_eager(reentrant):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(32, 8)
+    for seed in (1, 2):
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)  # the same dropout masks
+            m(x).pow(2).sum().backward()
+        for pe, po in zip(eager.parameters(), wrapped.parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, "grad")
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+
+
+def test_reentrant_checkpoint_without_grad_inputs_falls_back_like_eager():
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
+        model = Checkpointed(True, first=True)
+        model.block[2].p = 0.0  # _compare does not replay dropout masks
+        _compare(model, [(x,)], expect_fallback="use_reentrant=False")
