@@ -22,6 +22,7 @@ from .export import export_module
 from .export.dynamic import DynamicExport, non_batch_dims
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
+from .guards import find_change, snapshot
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, logger
 from .runtime.cache import LRUCache
@@ -89,7 +90,7 @@ class ORTModule(nn.Module):
 
     # NOTE [own attributes]: every other attribute set on the wrapper goes to the wrapped module.
     _own_attrs = frozenset({"_original_module", "_entries", "_built", "_exports", "_dynamic", "_stats",
-                            "_options", "_lock", "_warned"})
+                            "_options", "_lock", "_warned", "_guard", "_exported_guard"})
 
     def __init__(
         self,
@@ -105,6 +106,7 @@ class ORTModule(nn.Module):
         if isinstance(module, ORTModule):
             raise TypeError("module is already an ORTModule")
         self._original_module = module
+        self._register_load_state_dict_pre_hook(ORTModule._unwrap_keys, with_module=True)
         self._options = Options.resolve(fallback, cache_size, debug)
         self._init_runtime_state()
         self._expose_signature()
@@ -132,12 +134,15 @@ class ORTModule(nn.Module):
         self._stats = Stats()
         self._lock = threading.RLock()
         self._warned: set[str] = set()
+        self._guard: tuple | None = None  # NOTE [module guards]: the last call's snapshot
+        self._exported_guard: tuple | None = None  # ... and the one the compiled graphs stand for
 
     # NOTE [pickling]: sessions cannot be pickled or deep-copied; a copy keeps the module and the
     # options and rebuilds its graphs on first use.
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_entries", "_built", "_exports", "_dynamic", "_stats", "_lock", "_warned", "forward"):
+        for k in ("_entries", "_built", "_exports", "_dynamic", "_stats", "_lock", "_warned", "_guard",
+                  "_exported_guard", "forward"):
             state.pop(k, None)
         return state
 
@@ -190,6 +195,27 @@ class ORTModule(nn.Module):
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
 
+    @staticmethod
+    def _unwrap_keys(module, state_dict, prefix, *args) -> None:
+        """NOTE [nested wrapper]: a module holding an ORTModule saves ``body.0.weight`` (state_dict goes
+        through the wrapper), but torch's loader walks ``_modules`` and looks for
+        ``body._original_module.0.weight``; this load pre-hook renames the keys under the wrapper."""
+        inner = prefix + "_original_module."
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        """Registers on the wrapped module (the wrapper is transparent: named_buffers, state_dict)."""
+        if "_original_module" not in self.__dict__.get("_modules", {}):
+            return super().register_buffer(name, tensor, persistent)
+        self.module.register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """Registers on the wrapped module, like :meth:`register_buffer`."""
+        if "_original_module" not in self.__dict__.get("_modules", {}):
+            return super().register_parameter(name, param)
+        self.module.register_parameter(name, param)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
@@ -204,23 +230,36 @@ class ORTModule(nn.Module):
         module = self.module
         flat = flatten_inputs(args, kwargs)
         params, param_names, buffers, buffer_names = module_state(module)
-        modes = tuple(m.training for m in module.modules())
+        modes, guard = snapshot(module)
         layout = tuple(n for group in param_names + buffer_names for n in group)
         sig = make_signature(flat, params, buffers, layout, modes, _autocast_state())
         needs_grad = sig.grad_enabled and any(s.requires_grad for s in sig.inputs + sig.params)
         with self._lock:
+            if guard != self._guard:  # NOTE [module guards]
+                change = None if self._exported_guard is None else find_change(module, self._exported_guard, guard)
+                if change is not None:
+                    logger.info("module changed (%s): compiled graphs dropped, exporting again", change)
+                    self.clear_cache()
+                    self._exported_guard = None
+                self._guard = guard
             entry = self._entries.get(sig)
             if entry is None:
                 self._stats.cache_misses += 1
                 entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
                                                   needs_grad)
                 self._entries.put(sig, entry)
+                # The trace ran the forward, which may set attributes (caches, counters): the graph
+                # stands for the module as the trace left it.
+                self._guard = self._exported_guard = snapshot(module)[1]
             else:
                 self._stats.cache_hits += 1
                 if self._stats.cache_hits % 64 == 0:  # psutil costs ~20 us: sample, don't poll
                     self._stats.update_rss()
         if entry is _FALLBACK:
-            return module(*args, **kwargs)
+            out = module(*args, **kwargs)
+            # What the eager forward itself changed is no change.
+            self._guard = self._exported_guard = snapshot(module)[1]
+            return out
 
         exported = entry.exported
         names = tuple(

@@ -35,14 +35,21 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str, atol:
 
 
 class CallCounter:
-    """Counts calls of a module's Python forward, via a forward hook on it."""
+    """Counts runs of a module's Python forward.
+
+    The module's class is swapped for a subclass whose forward counts: a forward hook would itself
+    be a module change that re-exports (NOTE [module guards]), which is not what these tests count.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         self.count = 0
-        self.handle = module.register_forward_hook(self._hook)
+        counter, base = self, type(module)
 
-    def _hook(self, *_):
-        self.count += 1
+        def forward(self, *args, **kwargs):
+            counter.count += 1
+            return base.forward(self, *args, **kwargs)
+
+        module.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
 
 
 def train_side_by_side(

@@ -1,0 +1,152 @@
+"""Issue 13: a module change that changes what forward computes drops the compiled graphs (NOTE [module
+guards]); a plain module holding an ORTModule round-trips its own state_dict (NOTE [nested wrapper])."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ortmodule import ORTModule
+
+from .helpers import assert_close
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(16, 4)
+        self.scale_output = True
+        self.temperature = 1.0
+        self.mode = ("a", 1)
+
+    def forward(self, x):
+        h = self.act(self.lin(x))
+        if self.scale_output:
+            h = h * 3.0
+        if self.mode[0] == "b":
+            h = h.flip(-1)
+        return self.out(h) / self.temperature
+
+
+def _step(eager: nn.Module, wrapped: ORTModule, x: torch.Tensor, what: str) -> None:
+    outs = []
+    for m in (eager, wrapped):
+        m.zero_grad(set_to_none=True)
+        out = m(x)
+        out.pow(2).sum().backward()
+        outs.append(out)
+    assert_close(outs[1], outs[0], 1e-5, f"output after {what}")
+    for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad after {what}")
+
+
+def test_attribute_submodule_hook_and_forward_changes_reexport():
+    torch.manual_seed(0)
+    model = Branchy()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(32, 16)
+    _step(eager, wrapped, x, "the first call")
+    exports = wrapped.stats.exports
+
+    changes = [
+        ("a bool attribute set on the wrapper", lambda m: setattr(m, "scale_output", False)),
+        ("a float attribute", lambda m: setattr(m, "temperature", 2.5)),
+        ("a tuple attribute", lambda m: setattr(m, "mode", ("b", 1))),
+        ("an attribute of a submodule", lambda m: setattr(m.act, "inplace", True)),
+        ("a parameter-free submodule replaced", lambda m: setattr(m, "act", nn.Tanh())),
+        ("a forward hook added", lambda m: (m.module if isinstance(m, ORTModule) else m).lin.register_forward_hook(
+            lambda mod, inp, out: out * 0.5)),
+    ]
+    for what, change in changes:
+        change(eager)
+        change(wrapped)
+        _step(eager, wrapped, x, what)
+        assert wrapped.stats.exports > exports, f"{what}: no re-export"
+        exports = wrapped.stats.exports
+        _step(eager, wrapped, x, what + " (cached)")
+        assert wrapped.stats.exports == exports, f"{what}: exported again without a change"
+
+
+def test_instance_forward_patched_and_hook_removed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(16, 8)
+    handles = [m[0].register_forward_hook(lambda mod, inp, out: out + 1.0) for m in (eager, wrapped.module)]
+    _step(eager, wrapped, x, "a hook")
+    for h in handles:
+        h.remove()
+    _step(eager, wrapped, x, "the hook removed")
+    for m in (eager, wrapped.module):
+        layer = m[1]
+        layer.forward = lambda t, layer=layer: torch.tanh(t)  # patched on the instance
+    _step(eager, wrapped, x, "forward patched on a submodule")
+
+
+class Counting(nn.Module):
+    """Sets an attribute in its own forward (a cache): that alone must not re-export every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.cached_batch = None
+
+    def forward(self, x):
+        self.cached_batch = int(x.shape[1])
+        return self.lin(x)
+
+
+def test_attribute_written_by_the_forward_itself_is_not_a_change():
+    torch.manual_seed(0)
+    wrapped = ORTModule(Counting())
+    for _ in range(4):
+        wrapped(torch.randn(4, 8)).sum().backward()
+    assert wrapped.stats.exports == 1
+    assert wrapped.stats.cache_hits == 3
+
+
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = ORTModule(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_module_holding_an_ortmodule_loads_its_own_state_dict():
+    torch.manual_seed(0)
+    a = Holder()
+    a(torch.randn(16, 8)).sum().backward()  # BN statistics move
+    state = a.state_dict()
+    assert "body.0.weight" in state and not any("_original_module" in k for k in state)
+    torch.manual_seed(1)
+    b = Holder()
+    result = b.load_state_dict(state)  # strict
+    assert not result.missing_keys and not result.unexpected_keys
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    plain = nn.Module()
+    plain.body = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
+    plain.head = nn.Linear(8, 2)
+    plain.load_state_dict(state)  # and into the unwrapped model
+    c = Holder()
+    c.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 8)
+    a.eval(), c.eval()
+    assert torch.equal(a(x), c(x))
+
+
+def test_buffer_and_parameter_registered_on_the_wrapper_are_the_modules():
+    wrapped = ORTModule(nn.Linear(4, 4))
+    wrapped.register_buffer("steps", torch.zeros((), dtype=torch.long))
+    wrapped.register_parameter("gain", nn.Parameter(torch.ones(1)))
+    assert "steps" in dict(wrapped.named_buffers())
+    assert "gain" in dict(wrapped.named_parameters())
+    assert {"steps", "gain"} <= set(wrapped.state_dict())
+    assert wrapped.module.steps is wrapped.steps
