@@ -350,3 +350,20 @@ def test_reentrant_checkpoint_without_grad_inputs_falls_back_like_eager():
         model = Checkpointed(True, first=True)
         model.block[2].p = 0.0  # _compare does not replay dropout masks
         _compare(model, [(x,)], expect_fallback="use_reentrant=False")
+
+
+class AtenIndexAdd(nn.Module):
+    """Reaches the exporter's index_add symbolic without going through torch.index_add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, idx):
+        return torch.ops.aten.index_add(torch.zeros(3, 4), 0, idx, self.lin(x))
+
+
+def test_exporter_warning_of_a_wrong_graph_falls_back():
+    torch.manual_seed(0)
+    calls = [(torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2]))]
+    _compare(AtenIndexAdd(), calls, expect_fallback="duplicated values")

@@ -174,8 +174,8 @@ def export_module(
     try:
         # The export is shared by grad and no-grad calls: trace with grad enabled so that only the
         # module's own no_grad blocks read as such (NOTE [stop gradient]).
-        with warnings.catch_warnings(), torch.enable_grad():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught, torch.enable_grad():
+            warnings.simplefilter("always")
             torch.onnx.export(
                 wrapper,
                 inputs,
@@ -202,7 +202,7 @@ def export_module(
         ) from exc
     if wrapper.output_spec is None:
         raise ExportError(f"{type(module).__name__}.forward was not traced")
-    trap = wrapper.watch.failure()
+    trap = wrapper.watch.failure() or _wrong_graph_warning(caught)
     if trap is not None:
         raise ExportError(f"{type(module).__name__}: {trap}")
     mutated_inputs = [i for i, (t, v) in enumerate(zip(user, versions)) if t._version != v]
@@ -234,6 +234,19 @@ def export_module(
         shape_conditions=tuple(dict.fromkeys(str(c) for c in wrapper.watch.shape_conditional)),
         grad_mask=grad_mask(flat.tensors, params) if wrapper.watch.grad_sensitive else None,
     )
+
+
+# The exporter's own warnings that it wrote a graph that computes something else (NOTE [trace traps]:
+# index_add is rewritten before the exporter sees it; this is the backstop for other routes to it).
+_WRONG_GRAPH_WARNINGS = ("will cause the ONNX model to be incorrect",)
+
+
+def _wrong_graph_warning(caught) -> str | None:
+    for w in caught:
+        text = str(w.message)
+        if any(k in text for k in _WRONG_GRAPH_WARNINGS):
+            return f"the exporter warned that its graph is wrong: {text}"
+    return None
 
 
 def grad_mask(inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[bool, ...]:
