@@ -7,8 +7,8 @@
 # computes, so every call takes a cheap snapshot of the module tree and a changed snapshot drops the
 # compiled graphs (the next call exports again). The snapshot holds, per submodule in ``modules()``
 # order: its identity, each entry of its ``__dict__`` (the value of an int/float/bool/str/None/
-# dtype/device or tuple of them, the identity of anything else), and the keys of its forward hooks;
-# plus the global forward hooks. Attributes added after the export do not count unless they shadow
+# dtype/device or tuple of them, the identity of anything else), and the keys of its forward and
+# backward hooks; plus the global module hooks. Attributes added after the export do not count unless they shadow
 # a class attribute (``layer.forward = f``): the traced forward did not read them. Nor do tensors
 # with a grad_fn (a loss stored on the model between steps). Not seen: in-place changes inside a
 # list/dict/object attribute (``self.cfg.flag = True`` on a shared config object), and methods
@@ -49,7 +49,8 @@ def _value_key(v: Any) -> Any:
 def _module_key(m: nn.Module) -> tuple:
     d = m.__dict__
     attrs = tuple([(k, v if isinstance(v, _ATOMIC) else _value_key(v)) for k, v in d.items() if k not in _SKIP])
-    return id(m), attrs, tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"])
+    return (id(m), attrs, tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]), tuple(d["_backward_hooks"]),
+            tuple(d["_backward_pre_hooks"]))
 
 
 def snapshot(module: nn.Module) -> tuple[tuple[bool, ...], tuple]:
@@ -59,7 +60,8 @@ def snapshot(module: nn.Module) -> tuple[tuple[bool, ...], tuple]:
     for m in module.modules():
         modes.append(m.training)
         keys.append(_module_key(m))
-    keys.append((tuple(_nn_module._global_forward_hooks), tuple(_nn_module._global_forward_pre_hooks)))
+    keys.append((tuple(_nn_module._global_forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
+                 tuple(_nn_module._global_backward_hooks), tuple(_nn_module._global_backward_pre_hooks)))
     return tuple(modes), tuple(keys)
 
 
@@ -77,13 +79,13 @@ def find_change(module: nn.Module, old: tuple, new: tuple) -> str | None:
     for a, b in zip(old, new):
         if a == b:
             continue
-        if len(a) == 2:
-            return "the global forward hooks"
+        if len(a) == 4:
+            return "the global module hooks"
         where = names.get(b[0], "?")
         if a[0] != b[0]:
             return f"submodule {where!r} (replaced)"
         if a[2:] != b[2:]:
-            return f"the forward hooks of {where!r}"
+            return f"the hooks of {where!r}"
         now, before = dict(b[1]), dict(a[1])
         changed = [k for k, v in a[1] if now.get(k, _MISSING) != v]
         cls = type(mods[b[0]][1]) if b[0] in mods else object

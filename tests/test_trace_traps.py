@@ -367,3 +367,41 @@ def test_exporter_warning_of_a_wrong_graph_falls_back():
     torch.manual_seed(0)
     calls = [(torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2]))]
     _compare(AtenIndexAdd(), calls, expect_fallback="duplicated values")
+
+
+# -- gradient hooks -----------------------------------------------------------------------------------------
+
+
+class TensorHook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.register_hook(lambda g: g.clamp(-0.01, 0.01))  # gradient clipping inside forward
+        return self.b(h)
+
+
+def test_tensor_gradient_hook_in_forward_falls_back():
+    torch.manual_seed(0)
+    _compare(TensorHook(), [(torch.randn(16, 8),)], expect_fallback="register_hook")
+
+
+def test_module_backward_hook_falls_back_also_when_added_later():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(16, 8)
+    for step in range(3):
+        if step == 1:  # after the first call compiled the graphs
+            for m in (eager, wrapped.module):
+                m[2].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 10,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for m in (eager, wrapped):
+                m.zero_grad(set_to_none=True)
+                m(x).pow(2).sum().backward()
+        for pe, po in zip(eager.parameters(), wrapped.parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, f"grad at step {step}")
+    assert "backward hook" in wrapped.stats.last_fallback_reason

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
 from .semantics import ExportSemantics, MaskSpec, define_mask_op, mark_stop_gradients, masks_to_inputs
-from .traps import TraceWatch, UnsupportedTrace, intercept_functions
+from .traps import TraceWatch, UnsupportedTrace, backward_hook_failure, intercept_functions
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -160,6 +160,9 @@ def export_module(
     reads with ``x.shape`` become Shape ops; whether the graph really is shape-generic is checked by
     the caller (NOTE [dynamic shapes]). With ``batch_only`` as well, only dim 0 of each input is.
     """
+    hooked = backward_hook_failure(module)
+    if hooked is not None:
+        raise ExportError(f"{type(module).__name__}: {hooked}")
     wrapper = _Flat(module, flat, param_names, buffer_names)
     wrapper.trainable = [p.requires_grad for p in params]
     # NOTE [inputs mutated in place]: the trace runs on copies of the user's tensors, so an in-place

@@ -15,6 +15,9 @@
 # - A custom ``torch.autograd.Function``: its forward runs without grad, so its ops are recorded
 #   as if under ``no_grad`` and its backward is lost. The export fails naming the class, except
 #   torch's reentrant checkpoint Function, which is traced as the plain call it recomputes.
+# - Gradient hooks: ``tensor.register_hook`` / ``retain_grad`` inside forward and module backward
+#   hooks would never see the gradients ORT computes (the trace's copies do not even require grad):
+#   the export fails naming them.
 # - ``index_add`` / ``index_put(accumulate=True)``: exported as a scatter without reduction, wrong
 #   with duplicate indices. They are rewritten to ``scatter_add`` (ScatterElements, reduction=add).
 # - ``//`` (``floor_divide``) on integers: exported as a truncating Div. Rewritten to
@@ -47,6 +50,10 @@ _READS_VALUE = {
     torch.Tensor.tolist: "tensor.tolist()",
     torch.Tensor.numpy: "tensor.numpy()",
     torch.Tensor.__complex__: "complex(tensor)",
+}
+_GRAD_HOOKS = {
+    torch.Tensor.register_hook: "tensor.register_hook()",
+    torch.Tensor.retain_grad: "tensor.retain_grad()",
 }
 _READS_SIZE = {
     torch.Tensor.__len__: "len(tensor)",
@@ -154,7 +161,13 @@ class TraceWatch:
         return self._depends(value, size_only)
 
     def on_call(self, func, args) -> None:
-        """Record ``func`` if it converts a traced tensor to Python."""
+        """Record ``func`` if it converts a traced tensor to Python or hooks into autograd."""
+        if func in _GRAD_HOOKS:
+            self.other.append(
+                f"forward calls {_GRAD_HOOKS[func]} at {user_location()}: the hook would never run on the "
+                "gradients computed in ONNX Runtime"
+            )
+            return
         what = _READS_VALUE.get(func)
         size_only = False
         if what is None:
@@ -197,6 +210,21 @@ def _trace_id(t: torch.Tensor) -> int | None:
         return torch._C._get_value_trace(t).unique()
     except RuntimeError:
         return None
+
+
+def backward_hook_failure(module: torch.nn.Module) -> str | None:
+    """NOTE [trace traps]: a module backward hook would never see the gradients ORT computes."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks:
+        return "a global module backward hook is registered (register_module_full_backward_hook)"
+    for name, m in module.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            return (
+                f"submodule {name or '<top>'!r} has a backward hook (register_full_backward_hook): it would "
+                "never see the gradients computed in ONNX Runtime"
+            )
+    return None
 
 
 # -- rewrites of ops the exporter gets wrong ------------------------------------------------------
@@ -248,6 +276,8 @@ def _index_put(self_: torch.Tensor, indices, values: torch.Tensor) -> torch.Tens
 
 def rewrite(func, args, kwargs):
     """The exact formulation of an op the exporter gets wrong, or ``NOT_REWRITTEN``."""
+    if func in _GRAD_HOOKS:  # a failure recorded by on_call; in the trace there is nothing to hook
+        return None if func is torch.Tensor.retain_grad else _NoHandle()
     if func in _FLOOR_DIVIDE:
         a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
         if func in (torch.Tensor.__rfloordiv__,):
@@ -282,6 +312,11 @@ _FLOOR_DIVIDE = {torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.flo
                  torch.Tensor.__floordiv__, torch.Tensor.__rfloordiv__, torch.Tensor.__ifloordiv__}
 _INDEX_ADD = {torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_}
 _INDEX_PUT = {torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_}
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
 
 
 class UnsupportedTrace(Exception):
