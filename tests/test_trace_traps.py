@@ -405,3 +405,48 @@ def test_module_backward_hook_falls_back_also_when_added_later():
         for pe, po in zip(eager.parameters(), wrapped.parameters()):
             assert_close(po.grad, pe.grad, 1e-5, f"grad at step {step}")
     assert "backward hook" in wrapped.stats.last_fallback_reason
+
+
+class FeatureLoss(nn.Module):
+    """A student whose intermediate features are captured by a forward hook for a distillation loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        self.features: list[torch.Tensor] = []
+        self.body[1].register_forward_hook(self._capture)
+
+    def _capture(self, mod, inp, out):
+        self.features.append(out)
+
+    def forward(self, x):
+        self.features.clear()
+        out = self.body(x)
+        return out + 0.1 * self.features[0].mean()
+
+
+def test_side_effect_forward_hook_falls_back():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    _compare(FeatureLoss(), [(x,), (x * 2,)], expect_fallback="returns None")
+
+
+def test_weight_norm_hook_is_traced_and_matches_eager():
+    def build():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of parametrizations
+            return nn.Sequential(nn.utils.weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 2))
+
+    eager, wrapped = build(), ORTModule(build())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, wrapped)]
+    for step in range(3):
+        x = torch.randn(16, 8)
+        for m, opt in zip((eager, wrapped), opts):
+            opt.zero_grad(set_to_none=True)
+            m(x).pow(2).sum().backward()
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad at step {step}")
+        for opt in opts:
+            opt.step()
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
 from .semantics import ExportSemantics, MaskSpec, define_mask_op, mark_stop_gradients, masks_to_inputs
-from .traps import TraceWatch, UnsupportedTrace, backward_hook_failure, intercept_functions
+from .traps import TraceWatch, UnsupportedTrace, backward_hook_failure, intercept_functions, watch_forward_hooks
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -127,7 +127,8 @@ class _Flat(nn.Module):
         grad_sources += [p for p, trainable in zip(params, self.trainable) if trainable]
         self.watch.watch_inputs(user, [*params, *buffers], grad_sources)
         self.semantics = ExportSemantics(self.watch)
-        with swap_tensors(module, swap), intercept_functions(self.watch), self.semantics:
+        with swap_tensors(module, swap), intercept_functions(self.watch), \
+                watch_forward_hooks(module, self.watch), self.semantics:
             try:
                 out = module(*args, **kwargs)
             except UnsupportedTrace:

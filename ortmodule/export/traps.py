@@ -212,6 +212,47 @@ def _trace_id(t: torch.Tensor) -> int | None:
         return None
 
 
+def _is_torch_hook(hook) -> bool:
+    """torch's own hooks (weight_norm, spectral_norm, ...) compute what the forward then reads."""
+    target = getattr(hook, "__func__", hook)
+    mod = getattr(target, "__module__", None) or type(target).__module__
+    return mod.startswith("torch.")
+
+
+@contextlib.contextmanager
+def watch_forward_hooks(module: torch.nn.Module, watch: TraceWatch) -> Iterator[None]:
+    """NOTE [trace traps]: a forward hook on a submodule runs during the trace only. One that returns
+    a value (a changed output or input) is in the graph; one that returns None acts by side effects
+    alone (activations stored for a feature or distillation loss), which would hold traced tensors
+    from the export and never run again: recorded as a failure."""
+    saved = []
+
+    def wrap(hook, where: str, kind: str):
+        def run(*args, **kwargs):
+            result = hook(*args, **kwargs)
+            if result is None and not _is_torch_hook(hook):
+                name = getattr(hook, "__qualname__", type(hook).__qualname__)
+                watch.other.append(
+                    f"the forward {kind} {name!r} on {where} returns None (it acts by side effects, e.g. "
+                    "storing activations): it would run once, at export, and never on later calls"
+                )
+            return result
+        return run
+
+    try:
+        for name, m in module.named_modules():
+            for kind, hooks in (("hook", m._forward_hooks), ("pre-hook", m._forward_pre_hooks)):
+                if not hooks:
+                    continue
+                saved.append((hooks, dict(hooks)))
+                for key, hook in list(hooks.items()):
+                    hooks[key] = wrap(hook, f"submodule {name or '<top>'!r}", kind)
+        yield
+    finally:
+        for hooks, original in saved:
+            hooks.update(original)
+
+
 def backward_hook_failure(module: torch.nn.Module) -> str | None:
     """NOTE [trace traps]: a module backward hook would never see the gradients ORT computes."""
     from torch.nn.modules import module as nn_module
