@@ -450,3 +450,61 @@ def test_weight_norm_hook_is_traced_and_matches_eager():
         for opt in opts:
             opt.step()
     assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+
+
+# -- parameters updated inside forward --------------------------------------------------------------------
+
+
+class MomentumEncoder(nn.Module):
+    """MoCo / BYOL style: the key encoder follows the query encoder by an EMA inside forward."""
+
+    def __init__(self, via_data: bool) -> None:
+        super().__init__()
+        self.via_data = via_data
+        self.query, self.key = nn.Linear(8, 8), nn.Linear(8, 8)
+        for p in self.key.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pk, pq in zip(self.key.parameters(), self.query.parameters()):
+                if self.via_data:
+                    pk.data.mul_(0.9).add_(pq.data, alpha=0.1)
+                else:
+                    pk.mul_(0.9).add_(pq, alpha=0.1)
+        return self.query(x) * self.key(x)
+
+
+@pytest.mark.parametrize("via_data", [False, True])
+def test_parameter_updated_in_forward_falls_back_and_is_updated_once(via_data):
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    wrapped = _compare(MomentumEncoder(via_data), [(x,), (x,), (x * 2,)], expect_fallback="in place")
+    assert "'key.weight'" in wrapped.stats.last_fallback_reason
+
+
+class ReadsData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale.data  # no gradient to scale, but its current value
+
+
+def test_parameter_read_through_data_follows_updates():
+    torch.manual_seed(0)
+    model = ReadsData()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(4, 4)
+    for value in (1.0, 3.0, -2.0):
+        for m in (eager, wrapped):
+            with torch.no_grad():
+                m.scale.fill_(value)
+            m.zero_grad(set_to_none=True)
+            m(x).pow(2).sum().backward()
+        assert_close(wrapped(x), eager(x), 1e-6, f"output at scale {value}")
+        assert wrapped.scale.grad is None and eager.scale.grad is None
+        assert_close(wrapped.lin.weight.grad, eager.lin.weight.grad, 1e-6, "lin.weight.grad")
+    assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 1

@@ -134,6 +134,8 @@ def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=F
     return torch.matmul(weights, v)
 
 
+_DATA = torch._C.TensorBase.data  # the getset descriptor of ``Tensor.data``
+
 MASK_OP = "DropoutMask"
 MASK_DOMAIN = "ortmodule"
 
@@ -241,6 +243,12 @@ class _Base(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.watch is not None:  # NOTE [trace traps]
+            if getattr(func, "__self__", None) is _DATA:
+                # ``t.data`` is not traced: the tracer would bake the value it holds at export time.
+                # Read as ``t.detach()``; writes through it are refused (they would go to a copy).
+                out = stop_gradient(args[0])
+                self.watch.data_view(out, args[0])
+                return out
             self.watch.on_call(func, args)
             out = rewrite(func, args, kwargs)
             if out is not NOT_REWRITTEN:

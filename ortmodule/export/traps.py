@@ -15,6 +15,10 @@
 # - A custom ``torch.autograd.Function``: its forward runs without grad, so its ops are recorded
 #   as if under ``no_grad`` and its backward is lost. The export fails naming the class, except
 #   torch's reentrant checkpoint Function, which is traced as the plain call it recomputes.
+# - An in-place op on a parameter inside forward (an EMA teacher update): the graph would compute
+#   with the updated value but never write it. The op is refused before it runs (fallback).
+# - ``x.data`` is invisible to the tracer, which would bake its value at export: it is traced as
+#   ``x.detach()``, and an in-place op through it is refused.
 # - Gradient hooks: ``tensor.register_hook`` / ``retain_grad`` inside forward and module backward
 #   hooks would never see the gradients ORT computes (the trace's copies do not even require grad):
 #   the export fails naming them.
@@ -93,6 +97,8 @@ class TraceWatch:
         self._user: set[int] = set()  # unique() of the traced values of user inputs
         self._state: set[int] = set()  # ... of parameters and buffers
         self._memo: dict[int, int] = {}
+        self._param_storage: dict[int, str] = {}
+        self._data_views: dict[int, str] = {}  # storage of a traced ``x.data`` -> where it was read
 
     def watch_inputs(self, user: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
                      grad_sources: Sequence[torch.Tensor] = ()) -> None:
@@ -102,6 +108,16 @@ class TraceWatch:
         self._state = {v for v in (_trace_id(t) for t in state) if v is not None}
         self._grad = {v for v in (_trace_id(t) for t in grad_sources) if v is not None}
         self.grad_sensitive = False  # the graph assumed which inputs require grad
+
+    def data_view(self, t: torch.Tensor, source: torch.Tensor) -> None:
+        """``t`` stands for ``source.data``: an in-place op on it would not reach ``source``."""
+        name = self._param_storage.get(_storage_ptr(source))
+        what = f"parameter {name!r}" if name is not None else "a tensor"
+        self._data_views[_storage_ptr(t)] = f"{what} (`.data` read at {user_location()})"
+
+    def watch_parameters(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+        """Parameters by storage: an in-place op on one (or on a view, ``.data``) is caught."""
+        self._param_storage = {_storage_ptr(p): n for p, n in zip(params, names) if p.numel()}
 
     def requires_grad_in_eager(self, t: torch.Tensor) -> bool:
         """Whether ``t`` would require grad in eager PyTorch: it is computed from a grad source."""
@@ -168,6 +184,23 @@ class TraceWatch:
                 "gradients computed in ONNX Runtime"
             )
             return
+        if args and isinstance(args[0], torch.Tensor) and _is_inplace(func) and self._data_views:
+            where = self._data_views.get(_storage_ptr(args[0]))
+            if where is not None:
+                raise UnsupportedTrace(
+                    f"forward modifies {where} in place through `.data` ({getattr(func, '__name__', func)} at "
+                    f"{user_location()}): a graph run cannot write the tensor behind it"
+                )
+        if self._param_storage and args and isinstance(args[0], torch.Tensor) and _is_inplace(func):
+            name = self._param_storage.get(_storage_ptr(args[0]))
+            if name is not None:
+                # Raised before the op runs: the parameter is not changed by the export.
+                raise UnsupportedTrace(
+                    f"forward modifies parameter {name!r} in place ({getattr(func, '__name__', func)} at "
+                    f"{user_location()}, e.g. an EMA / momentum-encoder update): a graph run cannot write "
+                    "parameters. Update it outside forward (after optimizer.step()) to keep the module in "
+                    "ONNX Runtime"
+                )
         what = _READS_VALUE.get(func)
         size_only = False
         if what is None:
@@ -203,6 +236,22 @@ class TraceWatch:
                 "(e.g. torch.where instead of `if`), or run this module eagerly"
             )
         return None
+
+
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
 
 
 def _trace_id(t: torch.Tensor) -> int | None:
