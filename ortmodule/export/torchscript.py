@@ -126,6 +126,7 @@ class _Flat(nn.Module):
         grad_sources = [t for t in user if t.requires_grad]
         grad_sources += [p for p, trainable in zip(params, self.trainable) if trainable]
         self.watch.watch_inputs(user, [*params, *buffers], grad_sources)
+        self.watch.watch_parameters(params, [names[0] for names in self.param_names])
         self.semantics = ExportSemantics(self.watch)
         with swap_tensors(module, swap), intercept_functions(self.watch), \
                 watch_forward_hooks(module, self.watch), self.semantics:
