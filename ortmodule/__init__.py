@@ -8,6 +8,7 @@ Pipeline stages, in order:
   runtime    ORT sessions, zero-copy binding, compiled-entry cache
   function   the torch.autograd.Function seam
   module     ORTModule, the transparent wrapper
+  verify     verification mode: the first call of each new graph checked against eager PyTorch
   onnx_module OnnxModule: train an .onnx file with the same engine
 """
 
@@ -26,11 +27,11 @@ import sys as _sys
 if "torch" not in _sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(_os.environ):
     _os.environ["GOMP_SPINCOUNT"] = "10000"
 
-from .errors import ExportError, GradientRuleError, ORTModuleError  # noqa: E402
+from .errors import ExportError, GradientRuleError, ORTModuleError, VerificationError  # noqa: E402
 from .explain import Explanation, explain  # noqa: E402
 from .module import ORTModule, Stats  # noqa: E402
 from .onnx_module import OnnxModule
-from .options import DebugOptions, FallbackPolicy  # noqa: E402
+from .options import DebugOptions, FallbackPolicy, VerifyTolerance  # noqa: E402
 
 __all__ = [
     "DebugOptions",
@@ -42,6 +43,8 @@ __all__ = [
     "ORTModule",
     "ORTModuleError",
     "Stats",
+    "VerificationError",
+    "VerifyTolerance",
     "explain",
 ]
 __version__ = "0.1.0"

@@ -19,6 +19,11 @@ class GradientRuleError(ORTModuleError):
     """No gradient rule exists for an op, or a rule failed."""
 
 
+class VerificationError(ORTModuleError):
+    """Verification mode (``verify=True``) found ORT's outputs, buffer updates or gradients differ
+    from eager PyTorch's on the same call."""
+
+
 def node_location(node: ir.Node) -> str:
     """``node 'name', from torch module 'encoder.layer.3'`` — for error messages."""
     where = f"node '{node.name}'"

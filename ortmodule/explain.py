@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from typing import Any
 
 import onnx_ir as ir
+import torch
 from torch import nn
 
 from .autodiff.builder import differentiable_values
 from .autodiff.registry import lookup
 from .errors import MODULE_PATH_KEY
-from .export import export_module
 from .export.torchscript import input_name
 from .io import flatten_inputs
+from .options import DebugOptions, FallbackPolicy, logger
 
 
 @dataclasses.dataclass
@@ -30,7 +32,11 @@ class MissingRule:
 
 @dataclasses.dataclass
 class Explanation:
-    """What :func:`explain` found; ``str()`` gives a readable report."""
+    """What :func:`explain` found; ``str()`` gives a readable report.
+
+    ``would_fall_back`` / ``fallback_reason`` are what a call on the same inputs does: explain runs
+    the same compile pipeline (export, training graphs when the call needs gradients, sessions).
+    """
 
     model: str
     exports: bool
@@ -39,16 +45,24 @@ class Explanation:
     missing_rules: list[MissingRule] = dataclasses.field(default_factory=list)
     dropout_masks: int = 0
     mutated_buffers: list[str] = dataclasses.field(default_factory=list)
+    needs_grad: bool = True
+    falls_back: bool | None = None  # None: not run through the pipeline (built by hand)
+    reason: str | None = None  # the call's Stats.last_fallback_reason
+    call_error: str | None = None  # the call raises (not a fallback): e.g. ORT failed at run time
 
     @property
     def would_fall_back(self) -> bool:
-        return not self.exports or bool(self.missing_rules)
+        if self.falls_back is not None:
+            return self.falls_back
+        return not self.exports or (self.needs_grad and bool(self.missing_rules))
 
     @property
     def fallback_reason(self) -> str | None:
+        if self.falls_back is not None:
+            return self.reason if self.falls_back else None
         if not self.exports:
             return f"export failed: {self.export_error}"
-        if self.missing_rules:
+        if self.needs_grad and self.missing_rules:
             return "no gradient rule for " + ", ".join(str(m) for m in self.missing_rules)
         return None
 
@@ -68,24 +82,63 @@ class Explanation:
         if self.missing_rules:
             lines.append("  ops without a gradient rule (register one in ortmodule/autodiff/rules/):")
             lines.extend(f"    - {m}" for m in self.missing_rules)
-            lines.append("  would fall back to eager PyTorch when gradients are needed")
+            if not self.needs_grad:
+                lines.append("  (this call needs no gradients, so they do not matter here)")
+        if self.call_error is not None:
+            lines.append(f"  the call RAISES: {self.call_error}")
+        elif self.would_fall_back:
+            lines.append(f"  would fall back to eager PyTorch: {self.fallback_reason}")
+        elif self.needs_grad:
+            lines.append("  training graphs built and sessions created: training runs in ONNX Runtime")
         else:
-            lines.append("  every op on a gradient path has a rule: training runs in ONNX Runtime")
+            lines.append("  forward-only graph (no gradients needed) runs in ONNX Runtime")
         return "\n".join(lines)
 
 
 def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
-    """Export ``model`` on the given inputs (no training step, no state change) and report."""
-    from .module import ORTModule, module_state
+    """What a call ``model(*args, **kwargs)`` would do, without changing the module's state.
 
-    module = model.module if isinstance(model, ORTModule) else model
+    Runs one call through a fresh wrapper (NOTE [explain runs a call]) and reports its outcome with
+    the forward graph's ops, the ops on a gradient path that lack a rule, masks and mutated buffers.
+    """
+    from .module import _FALLBACK, ORTModule, module_state
+    from .verify import StateSnapshot
+
+    wrapper = model if isinstance(model, ORTModule) else None
+    module = wrapper.module if wrapper is not None else model
     name = type(module).__name__
     flat = flatten_inputs(args, kwargs)
     params, param_names, buffers, buffer_names = module_state(module)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in [*flat.tensors, *params])
+    # NOTE [explain runs a call]: the same pipeline as a call, through a fresh wrapper so the real
+    # one's caches and counters stay as they are: export (with its retries), training graphs when
+    # the call needs gradients, session creation, one run. The state it changes is put back: buffers
+    # and RNG (verify.StateSnapshot); .grad is untouched (no backward); graphs are not saved to disk.
+    debug = wrapper.options.debug if wrapper is not None else DebugOptions.from_env()
+    debug = dataclasses.replace(debug, save_onnx_dir=None, profile_prefix=None)
+    level = logger.level
+    devices = {t.device for t in [*flat.tensors, *params]}
+    state = StateSnapshot(module, list(devices))
+    probe = ORTModule(module, fallback=FallbackPolicy.FALLBACK, debug=debug, verify=False)
+    call_error = None
     try:
-        exported = export_module(module, flat, params, param_names, buffers, buffer_names)
-    except Exception as exc:
-        return Explanation(model=name, exports=False, export_error=f"{type(exc).__name__}: {exc}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe(*args, **kwargs)
+    except Exception as exc:  # the call itself would raise this
+        call_error = f"{type(exc).__name__}: {exc}"
+    finally:
+        state.restore()
+        logger.setLevel(level)
+    stats = probe.stats
+    entries = [e for e in probe._entries._data.values() if e is not _FALLBACK]
+    exports = [e.exported for e in entries] or list(probe._exports._data.values())
+    if not exports:
+        reason = stats.last_fallback_reason or call_error
+        return Explanation(model=name, exports=False, export_error=reason, needs_grad=needs_grad,
+                           falls_back=stats.fallbacks > 0, reason=stats.last_fallback_reason,
+                           call_error=None if stats.fallbacks else call_error)
+    exported = exports[-1]
     graph = ir.from_proto(exported.model).graph
     ops = collections.Counter(
         (f"{n.domain}::" if n.domain else "") + n.op_type for n in graph
@@ -105,6 +158,10 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         missing_rules=missing,
         dropout_masks=len(exported.masks),
         mutated_buffers=[buffer_names[i][0] for i in exported.mutated_buffers],
+        needs_grad=needs_grad,
+        falls_back=stats.fallbacks > 0,
+        reason=stats.last_fallback_reason,
+        call_error=call_error,
     )
 
 

@@ -24,9 +24,10 @@ from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
 from .guards import find_change, snapshot
 from .io import flatten_inputs, make_signature
-from .options import DebugOptions, FallbackPolicy, Options, logger
+from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
 from .runtime.cache import LRUCache
 from .runtime.entry import CompiledEntry
+from .verify import Verification
 
 _CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, type(...))
 _FALLBACK = object()  # cache marker: this signature runs eagerly
@@ -46,6 +47,8 @@ class Stats:
     fallbacks: int = 0
     last_fallback_reason: str | None = None
     peak_rss_mb: float = 0.0  # sampled when graphs are built and every 64th cached call
+    verifications: int = 0  # verify mode: first calls of new graphs checked against eager
+    verify_s: float = 0.0
 
     @property
     def reexports(self) -> int:
@@ -99,6 +102,8 @@ class ORTModule(nn.Module):
         fallback: str | FallbackPolicy | None = None,
         cache_size: int | None = None,
         debug: DebugOptions | None = None,
+        verify: bool | None = None,
+        verify_tolerance: VerifyTolerance | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -107,7 +112,7 @@ class ORTModule(nn.Module):
             raise TypeError("module is already an ORTModule")
         self._original_module = module
         self._register_load_state_dict_pre_hook(ORTModule._unwrap_keys, with_module=True)
-        self._options = Options.resolve(fallback, cache_size, debug)
+        self._options = Options.resolve(fallback, cache_size, debug, verify, verify_tolerance)
         self._init_runtime_state()
         self._expose_signature()
 
@@ -243,6 +248,7 @@ class ORTModule(nn.Module):
                     self._exported_guard = None
                 self._guard = guard
             entry = self._entries.get(sig)
+            fresh = entry is None  # verify mode checks a new graph's first call (ortmodule/verify.py)
             if entry is None:
                 self._stats.cache_misses += 1
                 entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
@@ -269,6 +275,9 @@ class ORTModule(nn.Module):
             + [mask_name(i) for i in range(len(exported.masks))]
         )
         device = entry.device
+        check = None
+        if fresh and self._options.verify:  # NOTE [verify leaves no trace]: before the masks are drawn
+            check = Verification(self, sig, flat.tensors, params, param_names, args, kwargs, device)
         masks = [spec.draw(device, flat.tensors) for spec in exported.masks]
         tensors = [*flat.tensors, *params, *buffers, *masks]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
@@ -280,7 +289,13 @@ class ORTModule(nn.Module):
             n_user = exported.num_user_outputs
             write_back(mutated, results[n_user:])
             outs = results[:n_user]
-        return exported.output_spec.rebuild(outs, flat.tensors)
+        result = exported.output_spec.rebuild(outs, flat.tensors)
+        if check is not None:
+            try:
+                check.finish(result)
+            finally:  # what the eager run itself changed is no change, as for a fallback
+                self._guard = self._exported_guard = snapshot(module)[1]
+        return result
 
     def _compile_or_fallback(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad):
         try:

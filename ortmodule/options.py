@@ -9,6 +9,13 @@ Environment variables (read when an ORTModule is created; constructor arguments 
 ``ORTMODULE_LOG_LEVEL``    ``DEBUG``, ``INFO``, ``WARNING`` (default), ``ERROR``.
 ``ORTMODULE_PROFILE``      a file prefix: enable ONNX Runtime's profiler for every session.
 ``ORTMODULE_CACHE_SIZE``   how many compiled entries (input signatures) to keep; default 8.
+``ORTMODULE_VERIFY``       ``1``: verification mode (``verify=True``): the first call of every newly
+                           compiled graph also runs the module eagerly (same inputs, RNG state,
+                           autocast/grad mode; module state restored) and compares outputs,
+                           buffer updates and gradients; a mismatch raises ``VerificationError``.
+                           ``0`` (default): off. See ``ortmodule/verify.py``.
+``ORTMODULE_VERIFY_RTOL``  the float32 relative tolerance of verification (default 1e-4);
+                           ``verify_tolerance=VerifyTolerance(...)`` sets all of them.
 ========================== =================================================================
 """
 
@@ -44,6 +51,20 @@ class DebugOptions:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyTolerance:
+    """Tolerances of verification mode (``verify=True``), as in tests/helpers.py ``assert_close``:
+    a float tensor matches when its relative norm error ``||ort - eager|| / ||eager||`` is at most
+    ``rtol``, or every element is within ``atol`` (tensors that are ~0, e.g. rounding noise of a
+    gradient that is exactly 0 in exact arithmetic). ``half_*`` apply under fp16/bf16 autocast and
+    to half-precision tensors. Integer and bool tensors must be equal."""
+
+    rtol: float = 1e-4
+    atol: float = 1e-6
+    half_rtol: float = 1e-2
+    half_atol: float = 1e-3
+
+
 @dataclasses.dataclass
 class Options:
     """Resolved settings of one ORTModule."""
@@ -51,6 +72,8 @@ class Options:
     fallback: FallbackPolicy = FallbackPolicy.FALLBACK
     cache_size: int = 8
     debug: DebugOptions = dataclasses.field(default_factory=DebugOptions)
+    verify: bool = False
+    verify_tolerance: VerifyTolerance = dataclasses.field(default_factory=VerifyTolerance)
 
     @classmethod
     def resolve(
@@ -58,6 +81,8 @@ class Options:
         fallback: str | FallbackPolicy | None = None,
         cache_size: int | None = None,
         debug: DebugOptions | None = None,
+        verify: bool | None = None,
+        verify_tolerance: VerifyTolerance | None = None,
     ) -> Options:
         env_fallback = os.environ.get("ORTMODULE_FALLBACK")
         policy = fallback or env_fallback or FallbackPolicy.FALLBACK
@@ -75,4 +100,13 @@ class Options:
         if not isinstance(level, int):
             raise ValueError(f"unknown log level {debug.log_level!r}")
         logger.setLevel(level)
-        return cls(fallback=policy, cache_size=size, debug=debug)
+        if verify is None:
+            env_verify = os.environ.get("ORTMODULE_VERIFY", "0").strip().lower()
+            if env_verify not in ("", "0", "1", "false", "true", "off", "on"):
+                raise ValueError(f"ORTMODULE_VERIFY={env_verify!r}: use 1 (on) or 0 (off)")
+            verify = env_verify in ("1", "true", "on")
+        if verify_tolerance is None:
+            rtol = os.environ.get("ORTMODULE_VERIFY_RTOL")
+            verify_tolerance = VerifyTolerance(rtol=float(rtol)) if rtol else VerifyTolerance()
+        return cls(fallback=policy, cache_size=size, debug=debug, verify=bool(verify),
+                   verify_tolerance=verify_tolerance)
