@@ -27,7 +27,13 @@ import sys as _sys
 if "torch" not in _sys.modules and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(_os.environ):
     _os.environ["GOMP_SPINCOUNT"] = "10000"
 
-from .errors import ExportError, GradientRuleError, ORTModuleError, VerificationError  # noqa: E402
+from .errors import (  # noqa: E402
+    DoubleBackwardError,
+    ExportError,
+    GradientRuleError,
+    ORTModuleError,
+    VerificationError,
+)
 from .explain import Explanation, explain  # noqa: E402
 from .module import ORTModule, Stats  # noqa: E402
 from .onnx_module import OnnxModule
@@ -35,6 +41,7 @@ from .options import DebugOptions, FallbackPolicy, VerifyTolerance  # noqa: E402
 
 __all__ = [
     "DebugOptions",
+    "DoubleBackwardError",
     "Explanation",
     "ExportError",
     "FallbackPolicy",

@@ -19,6 +19,10 @@ class GradientRuleError(ORTModuleError):
     """No gradient rule exists for an op, or a rule failed."""
 
 
+class DoubleBackwardError(ORTModuleError):
+    """A backward through ORTModule was asked to build a graph (``create_graph=True``)."""
+
+
 class VerificationError(ORTModuleError):
     """Verification mode (``verify=True``) found ORT's outputs, buffer updates or gradients differ
     from eager PyTorch's on the same call."""

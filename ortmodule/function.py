@@ -11,9 +11,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .errors import DoubleBackwardError
 from .runtime.entry import CompiledEntry
+
+# NOTE [no double backward]: the ORT backward is a black box to autograd, so its results cannot be
+# differentiated again. ``once_differentiable`` is no guard: with grad_outputs that need no grad
+# (the default ones of ``autograd.grad(out, x, create_graph=True)``) it returns plain tensors, and
+# a gradient penalty built on them (WGAN-GP, R1) silently adds nothing to the loss's gradient. The
+# engine runs a backward with grad mode = ``create_graph``, so grad mode at entry tells; we raise.
+_DOUBLE_BACKWARD = (
+    "double backward / create_graph=True is not supported by ORTModule: the gradient computed by "
+    "ONNX Runtime cannot be differentiated again, so a term built on it (a gradient penalty, a "
+    "Hessian) would silently contribute nothing. Compute this term with the unwrapped module "
+    "`model.module` (eager PyTorch), or pass create_graph=False where no second-order gradient "
+    "is needed."
+)
 
 
 def write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tensor]) -> None:
@@ -51,8 +64,9 @@ class ORTFunction(torch.autograd.Function):
         return tuple(user)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor):
+        if torch.is_grad_enabled():  # NOTE [no double backward]
+            raise DoubleBackwardError(_DOUBLE_BACKWARD)
         entry: CompiledEntry = ctx.entry
         graphs = entry.graphs
         assert graphs is not None
@@ -72,4 +86,7 @@ class ORTFunction(torch.autograd.Function):
                 grad = torch.zeros(shape, dtype=dtype, device=device)
             feeds[name] = grad
         results = dict(zip(targets, runner.run(feeds)))
+        if absent:  # NOTE [unreached targets]: None, as eager, where only absent outputs reach
+            for name in entry.unreached_targets(absent):
+                results.pop(name, None)
         return (None, None, None, *[results.get(n) for n in ctx.names])

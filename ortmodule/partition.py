@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from .autodiff import build_gradient, differentiable_values
+from .autodiff.builder import node_reads
 from .export import ExportedModel
 from .export.torchscript import input_name, mask_name
 from .passes import lower_softmax_cross_entropy, run_forward_passes, score_ranks
@@ -46,6 +47,9 @@ class TrainingGraphs:
     grad_targets: list[str]
     backward_inputs: list[str]
     backward_outputs: list[str]
+    # NOTE [unreached targets]: per ``grad_targets`` entry, the user outputs (indices into
+    # ``diff_outputs``' values) whose gradient can reach it through differentiable values.
+    target_outputs: list[frozenset[int]] = dataclasses.field(default_factory=list)
 
 
 def _value_info(v: ir.Value, name: str | None = None) -> onnx.ValueInfoProto:
@@ -140,7 +144,7 @@ def _needed_nodes(nodes: Sequence[ir.Node], outputs: Iterable[ir.Value]) -> list
     for node in reversed(nodes):
         if any(o in live for o in node.outputs):
             keep.append(node)
-            live.update(v for v in node.inputs if v is not None)
+            live.update(node_reads(node))  # NOTE [captured values]: what its subgraphs read, too
     keep.reverse()
     return keep
 
@@ -162,6 +166,35 @@ def _recomputed_views(fwd_nodes: Sequence[ir.Node], bwd_nodes: Sequence[ir.Node]
                     and p.inputs[0] in free):
                 views.append(p)
     return views
+
+
+def _reached_from(outputs: dict[int, ir.Value], active: set[ir.Value], wrt: Sequence[ir.Value]
+                  ) -> dict[ir.Value, frozenset[int]]:
+    """For each value in ``wrt``, the user outputs (by index) that depend on it through ``active``.
+
+    # NOTE [unreached targets]: eager autograd leaves ``p.grad`` None when no output it
+    # differentiates depends on ``p``. A parameter that feeds only outputs whose gradient is absent
+    # (``None``: not used in the loss) must not get a zero gradient instead, or AdamW's weight decay
+    # moves it where eager does not. The walk is structural (over-approximate): a target it reaches
+    # gets its computed gradient, which is then exact; one it does not reach gets None.
+    """
+    wrt_set = set(wrt)
+    reached: dict[ir.Value, set[int]] = {v: set() for v in wrt}
+    for i, out in outputs.items():
+        seen = {out}
+        stack = [out]
+        while stack:
+            v = stack.pop()
+            if v in wrt_set:
+                reached[v].add(i)
+            node = v.producer()
+            if node is None:
+                continue
+            for u in node_reads(node):
+                if u in active and u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+    return {v: frozenset(r) for v, r in reached.items()}
 
 
 def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool]) -> TrainingGraphs:
@@ -190,6 +223,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
 
     # Gradient results, in the order of the forward inputs they belong to.
     targets = [(v, grad.input_grads[v]) for v in wrt if grad.input_grads[v] is not None]
+    reached = _reached_from({i: outputs[i] for i in diff_outputs}, active, [t for t, _ in targets])
     bwd_result_values = [gv for _, gv in targets]
     bwd_all = _needed_nodes(grad.nodes, bwd_result_values)
 
@@ -290,4 +324,5 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         grad_targets=[t.name for t, _ in targets],
         backward_inputs=[v.name for v in saved] + [v.name for v in grad_out_vals],
         backward_outputs=out_names,
+        target_outputs=[reached[t] for t, _ in targets],
     )

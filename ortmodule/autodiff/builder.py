@@ -28,11 +28,57 @@ class GradientGraph:
     input_grads: dict[ir.Value, ir.Value | None]
 
 
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.value)
+    return graphs
+
+
+def captured_values(node: ir.Node) -> list[ir.Value]:
+    """Outer-scope values that the subgraphs of ``node`` (``If`` branches, ``Loop``/``Scan`` bodies,
+    nested ones included) read without receiving them as inputs.
+
+    # NOTE [captured values]: a subgraph may read any value of the enclosing graphs by name, so such
+    # a value is an input of the node as far as dependence goes. The activeness walk, the gradient
+    # walk and dead-code elimination treat it as one: a trainable value read only inside an ``If``
+    # or ``Loop`` on a gradient path makes :func:`build_gradient` raise instead of dropping its
+    # gradient (NOTE [constant If] inlines the ``If``s whose condition is known).
+    """
+    defined: set[ir.Value] = set()
+    used: list[ir.Value] = []
+
+    def visit(g: ir.Graph) -> None:
+        defined.update(g.inputs)
+        defined.update(g.initializers.values())
+        for n in g:
+            defined.update(n.outputs)
+            used.extend(v for v in n.inputs if v is not None)
+            for sub in _subgraphs(n):
+                visit(sub)
+        used.extend(g.outputs)
+
+    for sub in _subgraphs(node):
+        visit(sub)
+    return list(dict.fromkeys(v for v in used if v not in defined))
+
+
+def node_reads(node: ir.Node) -> list[ir.Value]:
+    """The values ``node`` depends on: its inputs, then its captured values (NOTE [captured values])."""
+    reads = [v for v in node.inputs if v is not None]
+    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        reads += [v for v in captured_values(node) if v not in reads]
+    return reads
+
+
 def differentiable_values(graph: ir.Graph, wrt: Sequence[ir.Value]) -> set[ir.Value]:
     """Float values that depend on ``wrt`` through differentiable ops."""
     active: set[ir.Value] = {v for v in wrt if is_float(v.dtype)}
     for node in graph:
-        if not any(v in active for v in node.inputs if v is not None):
+        if not any(v in active for v in node_reads(node)):
             continue
         info = lookup(node.domain, node.op_type)
         if info is not None and info.fn is None:
@@ -80,8 +126,18 @@ def build_gradient(
     for node in reversed(list(graph)):
         if not any(o in grads for o in node.outputs):
             continue
-        if not any(v in active for v in node.inputs if v is not None):
+        captured = [v for v in captured_values(node) if v in active] if _subgraphs(node) else []
+        if not captured and not any(v in active for v in node.inputs if v is not None):
             continue
+        if captured:  # NOTE [captured values]: no rule can return gradients for these
+            op = f"{node.domain + '::' if node.domain else ''}{node.op_type}"
+            shown = ", ".join(repr(v.name) for v in captured[:5]) + (" ..." if len(captured) > 5 else "")
+            raise GradientRuleError(
+                f"ONNX control-flow op '{op}' ({node_location(node)}) is on a gradient path: its "
+                f"subgraph reads {shown}, which needs a gradient, and ortmodule has no gradient for "
+                "control flow. Write the forward without data-dependent control flow, freeze those "
+                "values, or run this module in eager PyTorch."
+            )
         info = lookup(node.domain, node.op_type)
         if info is None:
             raise GradientRuleError(

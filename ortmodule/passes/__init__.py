@@ -10,6 +10,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from .control_flow import inline_constant_ifs
 from .proto import node_attrs
 from .rows import select_rows_early
 
@@ -166,7 +167,8 @@ def pool_before_relu(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (drop_noop_casts, select_rows_early, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu)
+FORWARD_PASSES = (inline_constant_ifs, drop_noop_casts, select_rows_early, keep_layer_norm_stats,
+                  batch_stats_batch_norm, pool_before_relu)
 
 
 def score_ranks(nodes) -> dict[str, int]:

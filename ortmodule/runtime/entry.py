@@ -45,6 +45,7 @@ class CompiledEntry:
         self._backward: GraphRunner | None = None
         # absent output-gradient positions -> (runner, grad targets) or None (NOTE [absent output grads])
         self._partial_backward: dict[frozenset[int], tuple[GraphRunner, list[str]] | None] = {}
+        self._unreached: dict[frozenset[int], frozenset[str]] = {}  # NOTE [unreached targets]
         # The backward model the session runs: ``graphs.backward`` after the backward passes.
         self.backward_model: onnx.ModelProto | None = None
         if requires_grad is not None:
@@ -106,6 +107,21 @@ class CompiledEntry:
                 runner = self._runner(_for_session(special.model))
                 self._partial_backward[absent] = (runner, [target_of[o] for o in special.outputs])
         return self._partial_backward[absent]
+
+    def unreached_targets(self, absent: frozenset[int]) -> frozenset[str]:
+        """The grad targets that only user outputs in ``absent`` reach: their gradient is ``None``
+        (NOTE [unreached targets])."""
+        found = self._unreached.get(absent)
+        if found is None:
+            graphs = self.graphs
+            assert graphs is not None
+            if len(graphs.target_outputs) != len(graphs.grad_targets):
+                raise RuntimeError("TrainingGraphs.target_outputs does not match grad_targets: "
+                                   "build the graphs with partition.build_training_graphs")
+            found = frozenset(t for t, outs in zip(graphs.grad_targets, graphs.target_outputs)
+                              if outs <= absent)
+            self._unreached[absent] = found
+        return found
 
     def create_sessions(self) -> None:
         """Create the sessions this entry runs: forward and backward, or inference only."""
