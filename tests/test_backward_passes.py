@@ -45,12 +45,20 @@ def test_sum_with_a_gemm_stays_for_gemm_sum_fusion_and_single_input_sum_is_kept(
     assert [n.op_type for n in model.graph.node] == ["Gemm", "Sum", "Sum"]
 
 
-def _scatter_sum_model(reduction: str = "add", extra_reader: bool = False):
+def _scatter_sum_model(reduction: str = "add", extra_reader: bool = False, op: str = "ScatterElements"):
+    """``Sum(head_grad, scatter(zeros, idx, upd), other)``: an embedding gradient as the Gather rule
+    writes it (ScatterElements along axis 0, the row index expanded to the update's shape)."""
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     zero = helper.make_tensor("zero", f, [1], [0.0])
+    if op == "ScatterElements":
+        scatter = [helper.make_node("Shape", ["upd"], ["upd_shape"]),
+                   helper.make_node("Expand", ["idx", "upd_shape"], ["idx_e"]),
+                   helper.make_node(op, ["zeros", "idx_e", "upd"], ["emb_grad"], axis=0, reduction=reduction)]
+    else:
+        scatter = [helper.make_node(op, ["zeros", "idx", "upd"], ["emb_grad"], reduction=reduction)]
     nodes = [
         helper.make_node("ConstantOfShape", ["shape"], ["zeros"], value=zero),
-        helper.make_node("ScatterND", ["zeros", "idx", "upd"], ["emb_grad"], reduction=reduction),
+        *scatter,
         helper.make_node("Sum", ["head_grad", "emb_grad", "other"], ["y"], name="acc"),
     ]
     outputs = [helper.make_tensor_value_info("y", f, [6, 3])]
@@ -74,11 +82,22 @@ def test_scatter_onto_zeros_is_folded_into_the_sum():
     model = _scatter_sum_model()
     expected = _run(model, feeds)
     assert lower_sums(model) == 1
-    assert [n.op_type for n in model.graph.node] == ["Add", "ScatterND"]  # no zeros, no Add over them
+    # no zeros, no Add over them; the scatter keeps its op and attributes (NOTE [exact scatters])
+    assert [n.op_type for n in model.graph.node] == ["Shape", "Expand", "Add", "ScatterElements"]
+    folded = model.graph.node[-1]
+    assert folded.input[0] == "y/acc_1" and {a.name: a for a in folded.attribute}["axis"].i == 0
     np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-6)
 
 
 def test_scatter_with_other_readers_or_no_reduction_is_not_folded():
     for model in (_scatter_sum_model(extra_reader=True), _scatter_sum_model(reduction="none")):
         assert lower_sums(model) == 1
-        assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "ScatterND", "Add", "Add"]
+        ops = [n.op_type for n in model.graph.node]
+        assert ops == ["ConstantOfShape", "Shape", "Expand", "ScatterElements", "Add", "Add"]
+
+
+def test_scatter_nd_add_is_not_folded():
+    """The pass never writes a ScatterND(add) (it races in onnxruntime: NOTE [exact scatters])."""
+    model = _scatter_sum_model(op="ScatterND")
+    assert lower_sums(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "ScatterND", "Add", "Add"]

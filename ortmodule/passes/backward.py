@@ -10,7 +10,7 @@ from .proto import node_attrs
 
 
 def lower_sums(model: onnx.ModelProto) -> int:
-    """Write each gradient-accumulating ``Sum`` as a chain of ``Add`` (and ``ScatterND``).
+    """Write each gradient-accumulating ``Sum`` as a chain of ``Add`` (and ``ScatterElements``).
 
     # NOTE [sum as adds]: onnxruntime's CPU Sum runs at half the speed of Add (measured on
     # [16, 128, 256]: Sum of 3 inputs 0.44 ms, two Adds 0.21 ms; Sum of 2: 0.22 ms, Add 0.10 ms).
@@ -40,15 +40,18 @@ def lower_sums(model: onnx.ModelProto) -> int:
             nodes.append(node)
             continue
         # NOTE [scatter into the sum]: a term that scatters onto zeros (an embedding's gradient) is
-        # applied to the sum of the other terms instead: ScatterND(acc, i, u) = acc + ScatterND(0, i, u)
-        # when acc has the zeros' shape, which holds for the builder's Sums (contributions to one value
-        # all have its shape; the only other Sum, the Max/Min rule's mask count, adds Casts).
-        # GPT-2's tied [50257, 128] embedding: no zero tensor copied, no Add over it.
+        # applied to the sum of the other terms instead:
+        # ScatterElements(acc, i, u, add) = acc + ScatterElements(0, i, u, add) when acc has the zeros'
+        # shape, which holds for the builder's Sums (contributions to one value all have its shape;
+        # the only other Sum, the Max/Min rule's mask count, adds Casts). GPT-2's tied [50257, 128]
+        # embedding: no zero tensor copied, no Add over it. The scatter keeps its op, axis and
+        # reduction: an exact ScatterElements, never a ScatterND (NOTE [exact scatters] in
+        # ortmodule/autodiff/rules/indexing.py).
         plain = [i for i in ins if i not in scatters]
         if not plain:
             plain, scatters = scatters[:1], scatters[1:]
         acc = plain[0]
-        steps = [("Add", t) for t in plain[1:]] + [("ScatterND", t) for t in scatters]
+        steps = [("Add", t) for t in plain[1:]] + [("Scatter", t) for t in scatters]
         for k, (op, term) in enumerate(steps, start=1):
             out = node.output[0] if k == len(steps) else f"{node.output[0]}/acc_{k}"
             if op == "Add":
@@ -56,8 +59,11 @@ def lower_sums(model: onnx.ModelProto) -> int:
             else:
                 scatter = producers[term]
                 folded.add(scatter.output[0])
-                nodes.append(helper.make_node("ScatterND", [acc, *scatter.input[1:]], [out],
-                                              name=f"{node.name}/scatter_{k}", reduction="add"))
+                folded_node = onnx.NodeProto()
+                folded_node.CopyFrom(scatter)
+                folded_node.input[0], folded_node.output[0] = acc, out
+                folded_node.name = f"{node.name}/scatter_{k}"
+                nodes.append(folded_node)
             acc = out
         changed += 1
     if changed:
@@ -71,8 +77,10 @@ def lower_sums(model: onnx.ModelProto) -> int:
 
 
 def _scatter_onto_zeros(node: onnx.NodeProto | None, producers: dict, consumers: dict[str, int]) -> bool:
-    """``ScatterND(zeros, i, u, reduction=add)`` read only once."""
-    if node is None or node.op_type != "ScatterND" or consumers.get(node.output[0], 0) != 1:
+    """``ScatterElements(zeros, i, u, reduction=add)`` read only once (NOTE [exact scatters])."""
+    if node is None or node.op_type != "ScatterElements" or node.domain not in ("", "ai.onnx"):
+        return False
+    if consumers.get(node.output[0], 0) != 1:
         return False
     if node_attrs(node).get("reduction", "none") != "add":  # with "none", repeated indices are undefined
         return False

@@ -7,11 +7,15 @@
 # of it) is read only by the LM head's gradient products, both are pushed through them:
 #
 #   dZ @ W     = c * (P @ W - W[labels])                       [N, E]: a Gather of N rows
-#   X^T @ dZ   = ((P^T @ (c X)) with -(c X)[i] added at row labels[i])^T    a ScatterND over [V, E]
+#   X^T @ dZ   = ((P^T @ (c X)) with -(c X)[i] added at row labels[i])^T    a scatter over [V, E]
 #
 # so only P is materialised. The pass runs on backward models (proto level): after the absent
 # output-gradient specialisation the logits gradient of a model that returns (loss, logits) is the
 # cross-entropy term alone, which is when the pattern appears.
+#
+# The scatter is a ScatterElements(add) with the labels expanded to [N, E], never a ScatterND(add):
+# labels repeat by the thousand, and onnxruntime's ScatterND races on repeated rows (NOTE [exact
+# scatters] in ortmodule/autodiff/rules/indexing.py).
 """
 
 from __future__ import annotations
@@ -132,7 +136,7 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
             continue
 
         em = _Emitter(names, scatter.name or "label_grad")
-        index = em.op("Cast", [idx_name], to=onnx.TensorProto.INT64)  # [N, 1]; ScatterND wants int64
+        index = em.op("Cast", [idx_name], to=onnx.TensorProto.INT64)  # [N, 1]
         labels = em.op("Reshape", [index, em.const([-1])])  # [N]
         shared = em.take()
         # Each product is replaced in place by its folded form (its own inputs precede it; P, c and
@@ -154,7 +158,9 @@ def _fold_once(graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
             else:
                 scaled = em.op("Mul", [node.input[0], coef])  # c X [N, E]
                 dense_t = em.op("Gemm", [prob, scaled], transA=1)  # P^T (c X) [V, E]
-                corrected = em.op("ScatterND", [dense_t, index, em.op("Neg", [scaled])], reduction="add")
+                at = em.op("Expand", [index, em.op("Shape", [scaled])])  # [N, E]: NOTE [exact scatters]
+                corrected = em.op("ScatterElements", [dense_t, at, em.op("Neg", [scaled])], axis=0,
+                                  reduction="add")
                 em.emit("Transpose", [corrected], node, perm=[1, 0])
             replace[id(node)] = em.take()
 

@@ -81,6 +81,8 @@ row("GatherND", "GatherND_pairs", [randn(3, 4, 2), i64([[0, 1], [2, -1], [0, 1]]
     lambda x, i: x[i[:, 0], i[:, 1] % 4], const_inputs=[1])
 row("GatherND", "GatherND_rows_dyn", [randn(3, 4), i64([[[1], [2]], [[1], [0]]])],
     lambda x, i: x[i[..., 0]])
+row("GatherND", "GatherND_triples_repeated", [randn(2, 3, 4), i64([[1, 2, 3], [0, -1, 1], [1, 2, 3], [1, 2, -1]])],
+    lambda x, i: x[i[:, 0], i[:, 1] % 3, i[:, 2] % 4], const_inputs=[1])  # element tuples, repeated
 row("GatherND", "GatherND_batch_dims1", [randn(2, 3, 4), i64([[[1], [1]], [[2], [0]]])],
     lambda x, i: x[torch.arange(2)[:, None], i[..., 0]], attributes={"batch_dims": 1}, const_inputs=[1])
 

@@ -2,7 +2,22 @@
 
 Gradients that move values back to where they came from are scatters into zeros of the input's shape.
 Ops that may read one element several times (Gather, GatherElements, GatherND) scatter with
-``reduction='add'`` so that repeated indices (an embedding looked up twice) accumulate.
+``reduction='add'`` so that repeated indices (an embedding looked up twice) accumulate, always as a
+``ScatterElements`` (NOTE [exact scatters]).
+
+# NOTE [exact scatters]: a ScatterND with ``reduction='add'`` is never emitted. onnxruntime's CPU
+# kernel runs its index rows in parallel with an unsynchronised ``+=``, so with repeated indices and
+# more than one intra-op thread it drops contributions, differently from run to run (measured with
+# onnxruntime 1.32, 2 threads: 20000 rows over 8000 -- max error 4.4; BERT's [30522, 256] word
+# embedding, 4 threads -- errors of 60-160; 1 thread exact; upstream #23396, #18048). Every
+# gradient that sums rows into a tensor (Gather on any axis, GatherND, the label-gradient fold, the
+# sums the scatters are folded into) is a ``ScatterElements(reduction='add')`` with the index
+# expanded to the update's shape instead: that kernel splits the work by the positions off the
+# scatter axis, which no two threads share, and walks the scatter axis in order, so the sum is the
+# same at any thread count (bit-equal across runs, exact against float64 up to float32 rounding).
+# It costs more (BERT's word embedding at 2048 tokens, 2 threads: 21.8 vs 18.8 ms per run;
+# benchmarks/bench_scatter.py). GatherND's k-tuples are linearised into one row index of the data
+# viewed as [prod(D[:k]), *D[k:]]. tests/test_scatter_determinism.py scans the compiled models.
 """
 
 from __future__ import annotations
@@ -124,23 +139,29 @@ def _zero_scalar(g: GradBuilder, like: ir.Value) -> ir.Value:
 @register("Gather")
 def gather_grad(g: GradBuilder, node: ir.Node, dys):
     data, indices = node.inputs
-    dy = dys[0]
     r = rank_of(data, "Gather data")
     axis = norm_axis(attr(node, "axis", 0), r)
     idx = nonneg_indices(g, indices, dim_of(g, data, axis))
-    zeros = zeros_like(g, data)
-    if axis == 0:
-        # Embedding lookup: dData[idx[q]] += dY[q], a ScatterND over the first axis.
-        nd = g.op("Unsqueeze", [idx, g.ints([-1])], dtype=ir.DataType.INT64)
-        dx = g.op("ScatterND", [zeros, nd, dy], {"reduction": "add"}, dtype=data.dtype)
-        return [dx, None]
-    # dY has shape D[:a] + Q + D[a+1:]; flatten Q to one axis and scatter along it element-wise.
+    # dData[..., idx[q], ...] += dY[..., q, ...] (on axis 0: an embedding's rows): dY has shape
+    # D[:a] + Q + D[a+1:]; Q is flattened to one axis and scattered along it (NOTE [exact scatters]).
     flat = concat_shape(g, [shape_part(g, data, 0, axis), [-1], shape_part(g, data, axis + 1, r)])
-    dyf = g.op("Reshape", [dy, flat], dtype=dy.dtype)
+    dyf = g.op("Reshape", [dys[0], flat], dtype=dys[0].dtype)
+    return [scatter_add_rows(g, zeros_like(g, data), idx, dyf, axis, r), None]
+
+
+def scatter_add_rows(
+    g: GradBuilder, base: ir.Value, idx: ir.Value, updates: ir.Value, axis: int, rank: int
+) -> ir.Value:
+    """``base`` (of rank ``rank``) with ``updates[..., q, ...]`` added at ``base[..., idx[q], ...]``.
+
+    ``idx`` is any-shaped, non-negative int64 (flattened to Q); ``updates`` has ``base``'s shape with
+    Q in place of ``axis``. An exact, deterministic ScatterElements (NOTE [exact scatters]).
+    """
+    r = rank
     idx_f = g.op("Reshape", [idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1))], dtype=ir.DataType.INT64)
-    idx_e = g.op("Expand", [idx_f, g.op("Shape", [dyf])], dtype=ir.DataType.INT64)
-    dx = g.op("ScatterElements", [zeros, idx_e, dyf], {"axis": axis, "reduction": "add"}, dtype=data.dtype)
-    return [dx, None]
+    idx_e = g.op("Expand", [idx_f, g.op("Shape", [updates], dtype=ir.DataType.INT64)], dtype=ir.DataType.INT64)
+    return g.op("ScatterElements", [base, idx_e, updates], {"axis": axis, "reduction": "add"},
+                dtype=base.dtype, shape=base.shape)
 
 
 @register("GatherElements")
@@ -186,10 +207,38 @@ def _full_nd_indices(g: GradBuilder, data: ir.Value, indices: ir.Value, batch_di
 
 @register("GatherND")
 def gather_nd_grad(g: GradBuilder, node: ir.Node, dys):
+    """The k-tuples linearised to rows of data viewed as [prod(D[:k]), *D[k:]] (NOTE [exact scatters])."""
     data, indices = node.inputs
-    idx = _full_nd_indices(g, data, indices, attr(node, "batch_dims", 0))
-    dx = g.op("ScatterND", [zeros_like(g, data), idx, dys[0]], {"reduction": "add"}, dtype=data.dtype)
-    return [dx, None]
+    batch_dims = attr(node, "batch_dims", 0)
+    idx = _full_nd_indices(g, data, indices, batch_dims)  # Q + [k], k counting the batch axes
+    ri, r = rank_of(indices, "GatherND indices"), rank_of(data, "GatherND data")
+    k = indices.shape[ri - 1]
+    if not isinstance(k, int):
+        raise ValueError("GatherND gradient needs the static length of the index tuples")
+    k += batch_dims
+    i64 = ir.DataType.INT64
+    lead = shape_part(g, data, 0, k)
+    if k == 1:
+        rows = idx
+    else:
+        if isinstance(lead, list):
+            strides = g.ints([int(np.prod(lead[j + 1:])) for j in range(k)])
+        else:
+            parts = [g.op("ReduceProd", [g.op("Slice", [lead, g.ints([j + 1]), g.ints([k])], dtype=i64)],
+                          {"keepdims": 1}, dtype=i64) for j in range(k - 1)]
+            strides = g.op("Concat", [*parts, g.ints([1])], {"axis": 0}, dtype=i64)
+        rows = g.op("ReduceSum", [g.op("Mul", [idx, strides], dtype=i64), g.ints([-1])], {"keepdims": 0}, dtype=i64)
+    if isinstance(lead, list):
+        n_rows: list[int] | ir.Value = [int(np.prod(lead))]
+    else:
+        n_rows = g.op("ReduceProd", [lead], {"keepdims": 1}, dtype=i64)
+    trail = shape_part(g, data, k, r)
+    static = isinstance(n_rows, list) and isinstance(trail, list)
+    base = zeros_of(g, concat_shape(g, [n_rows, trail]), data.dtype or ir.DataType.FLOAT,
+                    ir.Shape([*n_rows, *trail]) if static else None)  # type: ignore[misc]
+    dyf = g.op("Reshape", [dys[0], concat_shape(g, [[-1], trail])], dtype=dys[0].dtype)
+    dx = scatter_add_rows(g, base, rows, dyf, 0, 1 + r - k)
+    return [g.reshape_like(dx, data), None]
 
 
 # -- scatters -----------------------------------------------------------------------------------------
