@@ -139,6 +139,8 @@ def _zero_scalar(g: GradBuilder, like: ir.Value) -> ir.Value:
 @register("Gather")
 def gather_grad(g: GradBuilder, node: ir.Node, dys):
     data, indices = node.inputs
+    if data.shape is None and attr(node, "axis", 0) == 0:
+        return [_gather_rows_grad_any_rank(g, data, indices, dys[0]), None]
     r = rank_of(data, "Gather data")
     axis = norm_axis(attr(node, "axis", 0), r)
     idx = nonneg_indices(g, indices, dim_of(g, data, axis))
@@ -147,6 +149,18 @@ def gather_grad(g: GradBuilder, node: ir.Node, dys):
     flat = concat_shape(g, [shape_part(g, data, 0, axis), [-1], shape_part(g, data, axis + 1, r)])
     dyf = g.op("Reshape", [dys[0], flat], dtype=dys[0].dtype)
     return [scatter_add_rows(g, zeros_like(g, data), idx, dyf, axis, r), None]
+
+
+def _gather_rows_grad_any_rank(g: GradBuilder, data: ir.Value, indices: ir.Value, dy: ir.Value) -> ir.Value:
+    """Gather on axis 0 where shape inference lost the data's rank (``nn.MultiheadAttention``'s
+    ``proj[0]`` after an unflatten): the rows are scattered as a [D0, rest] matrix and reshaped back."""
+    i64 = ir.DataType.INT64
+    idx = g.op("Reshape", [nonneg_indices(g, indices, dim_of(g, data, 0)), g.ints([-1])], dtype=i64)  # [Q]
+    rows = g.op("Reshape", [data, g.ints([0, -1])], dtype=data.dtype)  # [D0, rest]
+    q = g.op("Shape", [idx], dtype=i64)
+    dy2 = g.op("Reshape", [dy, g.op("Concat", [q, g.ints([-1])], {"axis": 0}, dtype=i64)], dtype=dy.dtype)
+    dx = scatter_add_rows(g, zeros_like(g, rows), idx, dy2, 0, 2)
+    return g.op("Reshape", [dx, g.op("Shape", [data], dtype=i64)], dtype=data.dtype)
 
 
 def scatter_add_rows(

@@ -1,0 +1,56 @@
+"""torch's own nn.TransformerEncoder / nn.MultiheadAttention train in ORT like eager (the Gather rows of
+the packed in-projection, whose rank shape inference loses, used to make the model fall back)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortmodule import ORTModule
+
+from .helpers import assert_close, train_side_by_side
+
+
+def encoder(dropout: float) -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # enable_nested_tensor with norm_first=False
+        return nn.Sequential(nn.TransformerEncoder(layer, 2), nn.Flatten(), nn.Linear(32 * 10, 3))
+
+
+def test_transformer_encoder_trains_like_eager():
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 10, 32, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback
+        # SGD: the key bias's gradient is 0 up to rounding (softmax ignores it), which AdamW amplifies.
+        wrapped = train_side_by_side(encoder(0.0), batches, lambda out, b: F.cross_entropy(out, b[1]), rtol=1e-4,
+                                     kwargs_fn=lambda b: {"input": b[0]},
+                                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    assert wrapped.stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention_matches_eager(batch_first):
+    # Without dropout: MHA's own dropout runs inside F.multi_head_attention_forward, below the
+    # export's dropout interception, so it draws from ORT's generator (not torch's masks).
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model), fallback="raise")
+    for seed in (1, 2):
+        x = torch.randn(6, 5, 32, generator=torch.Generator().manual_seed(seed))
+        outs = []
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            out, weights = m(x, x, x)
+            (out.pow(2).sum() + weights.sum()).backward()
+            outs.append(out)
+        assert_close(outs[1], outs[0], 1e-5, "attention output")
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad")
