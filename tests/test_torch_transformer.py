@@ -24,6 +24,23 @@ def encoder(dropout: float) -> nn.Module:
         return nn.Sequential(nn.TransformerEncoder(layer, 2), nn.Flatten(), nn.Linear(32 * 10, 3))
 
 
+def test_transformer_encoder_with_dropout_draws_eager_masks():
+    model = encoder(0.1)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model), fallback="raise")
+    x = torch.randn(4, 10, 32)
+    for seed in (3, 4):
+        outs = []
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            out = m(x)
+            out.pow(2).sum().backward()
+            outs.append(out)
+        assert_close(outs[1], outs[0], 1e-5, "encoder output")
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-4, f"{name}.grad", atol=1e-5)
+
+
 def test_transformer_encoder_trains_like_eager():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 10, 32, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
@@ -37,19 +54,21 @@ def test_transformer_encoder_trains_like_eager():
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_multihead_attention_matches_eager(batch_first):
-    # Without dropout: MHA's own dropout runs inside F.multi_head_attention_forward, below the
-    # export's dropout interception, so it draws from ORT's generator (not torch's masks).
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_with_dropout_matches_eager_masks(batch_first, need_weights):
+    """NOTE [nested dropout]: MHA's dropout runs inside F.multi_head_attention_forward (F.dropout with
+    weights, the SDPA kernel's dropout without); its masks are drawn by torch like eager's."""
     torch.manual_seed(0)
-    model = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+    model = nn.MultiheadAttention(32, 4, dropout=0.2, batch_first=batch_first)
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model), fallback="raise")
     for seed in (1, 2):
         x = torch.randn(6, 5, 32, generator=torch.Generator().manual_seed(seed))
         outs = []
         for m in (eager, wrapped):
             m.zero_grad(set_to_none=True)
-            out, weights = m(x, x, x)
-            (out.pow(2).sum() + weights.sum()).backward()
+            torch.manual_seed(seed)  # the same dropout masks, drawn by torch in eager order
+            out, weights = m(x, x, x, need_weights=need_weights)
+            (out.pow(2).sum() + (weights.sum() if need_weights else 0)).backward()
             outs.append(out)
         assert_close(outs[1], outs[0], 1e-5, "attention output")
         for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):

@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,10 @@ class MaskSpec:
     dtype: torch.dtype
     p: float
     dims: tuple | None = None
+    # NOTE [mask layout]: eager draws ``empty_like(x).bernoulli_()``, whose values follow x's memory
+    # order (a transposed attention output, say); ``order`` lists x's dims from the outermost in
+    # memory, None when x is contiguous. The mask is drawn in that order, then permuted back.
+    order: tuple[int, ...] | None = None
 
     def draw(self, device: torch.device, inputs=()) -> torch.Tensor:
         shape = self.shape
@@ -47,7 +53,12 @@ class MaskSpec:
             shape = tuple(d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in self.dims)
         # NOTE [dropout masks]: eager's CPU dropout computes ``x * bernoulli(1 - p).div_(1 - p)``;
         # the mask input carries the scaled values, so the graph multiplies once, bit-identically.
-        return torch.empty(shape, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+        if self.order is None:
+            return torch.empty(shape, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+        physical = [shape[d] for d in self.order]
+        mask = torch.empty(physical, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        return mask.permute(inverse).contiguous()
 
 
 def _dropout_args(func, args, kwargs):
@@ -253,19 +264,12 @@ class _Base(TorchFunctionMode):
             out = rewrite(func, args, kwargs)
             if out is not NOT_REWRITTEN:
                 return out
-        if func is F.dropout:
-            x, p, training = _dropout_args(func, args, kwargs)
-            if training and p > 0.0:
-                return self.dropout(x, p)
-            return x
-        if func is F.scaled_dot_product_attention:
-            b = _sdpa_args(args, kwargs)
-            if b["dropout_p"] > 0.0:
-                p = float(b["dropout_p"])
-                return sdpa_math(
-                    b["query"], b["key"], b["value"], b["attn_mask"], b["is_causal"], b["scale"],
-                    b["enable_gqa"], dropout=lambda w: self.dropout(w, p),
-                )
+        if func is _F_DROPOUT:
+            return self.dropout_call(args, kwargs)
+        if func is _F_SDPA:
+            out = self.sdpa_call(args, kwargs)
+            if out is not NOT_REWRITTEN:
+                return out
         if func is F.batch_norm:
             return self._batch_norm(func, args, kwargs)
         if func is F.cross_entropy:
@@ -303,6 +307,96 @@ class _Base(TorchFunctionMode):
     def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def dropout_call(self, args, kwargs) -> torch.Tensor:
+        x, p, training = _dropout_args(None, args, kwargs)
+        if training and p > 0.0:
+            return self.dropout(x, p)
+        return x
+
+    def sdpa_call(self, args, kwargs):
+        b = _sdpa_args(args, kwargs)
+        if b["dropout_p"] > 0.0:
+            p = float(b["dropout_p"])
+            return sdpa_math(
+                b["query"], b["key"], b["value"], b["attn_mask"], b["is_causal"], b["scale"],
+                b["enable_gqa"], dropout=lambda w: self.dropout(w, p),
+            )
+        return NOT_REWRITTEN
+
+
+# NOTE [nested dropout]: the mode sees only the outermost torch function; a dropout that torch
+# calls inside another functional (F.multi_head_attention_forward calls ``dropout`` and
+# ``scaled_dot_product_attention`` by their names in torch.nn.functional) ran below it and was
+# exported as an ONNX Dropout on ORT's generator. While an export traces, those two names point
+# to routers that send a call from the tracing thread to its ExportSemantics, so those masks are
+# graph inputs drawn by torch in eager order like every other (NOTE [dropout masks]).
+_F_DROPOUT = F.dropout
+_F_SDPA = F.scaled_dot_product_attention
+_local = threading.local()
+_routing = threading.Lock()
+_routing_depth = 0
+
+
+def _nested_semantics() -> _Base | None:
+    """This thread's tracing ExportSemantics if the call runs below it (inside another torch
+    function, the mode popped); at top level the mode itself handles the call."""
+    semantics = getattr(_local, "semantics", None)
+    if semantics is None or not torch._C._get_tracing_state() or torch._C._len_torch_function_stack() > 0:
+        return None
+    return semantics
+
+
+def _routed_dropout(input, p=0.5, training=True, inplace=False):
+    semantics = _nested_semantics()
+    if semantics is None:
+        return _F_DROPOUT(input, p, training, inplace)
+    return semantics.dropout_call((input, p, training, inplace), {})
+
+
+def _routed_sdpa(*args, **kwargs):
+    semantics = _nested_semantics()
+    if semantics is not None:
+        out = semantics.sdpa_call(args, kwargs)
+        if out is not NOT_REWRITTEN:
+            return out
+    return _F_SDPA(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def route_nested_dropout(semantics: _Base):
+    """NOTE [nested dropout]: route F.dropout / F.scaled_dot_product_attention calls of this thread
+    to ``semantics`` while it traces; restored when the last export in any thread ends."""
+    global _routing_depth
+    with _routing:
+        if _routing_depth == 0:
+            F.dropout, F.scaled_dot_product_attention = _routed_dropout, _routed_sdpa
+        _routing_depth += 1
+    outer = getattr(_local, "semantics", None)
+    _local.semantics = semantics
+    try:
+        yield
+    finally:
+        _local.semantics = outer
+        with _routing:
+            _routing_depth -= 1
+            if _routing_depth == 0:
+                F.dropout, F.scaled_dot_product_attention = _F_DROPOUT, _F_SDPA
+
+
+def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """NOTE [mask layout]: x's dims from the outermost in memory; None if x is contiguous."""
+    if x.is_contiguous() or x.dim() < 2:
+        return None
+    # empty_like(x) keeps x's strides only where x is dense and non-overlapping.
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), d)))
+    expected, step = [0] * x.dim(), 1
+    for d in reversed(order):  # the strides of a contiguous tensor laid out in ``order``
+        expected[d] = step
+        step *= int(x.shape[d])
+    if any(int(x.shape[d]) > 1 and expected[d] != x.stride(d) for d in range(x.dim())):
+        return None
+    return order
+
 
 class ExportSemantics(_Base):
     """Trace pass: dropout reads its mask from graph inputs; BatchNorm updates its stats explicitly."""
@@ -316,7 +410,7 @@ class ExportSemantics(_Base):
         if p >= 1.0:
             return x * 0.0
         k = len(self.masks)
-        self.masks.append(MaskSpec(tuple(int(d) for d in x.shape), x.dtype, p))
+        self.masks.append(MaskSpec(tuple(int(d) for d in x.shape), x.dtype, p, order=_memory_order(x)))
         return x * torch.ops.ortmodule.dropout_mask(x, p, k)  # the mask holds 0 or 1 / (1 - p)
 
     def _batch_norm(self, func, args, kwargs):

@@ -14,7 +14,14 @@ from torch import nn
 
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs
-from .semantics import ExportSemantics, MaskSpec, define_mask_op, mark_stop_gradients, masks_to_inputs
+from .semantics import (
+    ExportSemantics,
+    MaskSpec,
+    define_mask_op,
+    mark_stop_gradients,
+    masks_to_inputs,
+    route_nested_dropout,
+)
 from .traps import TraceWatch, UnsupportedTrace, backward_hook_failure, intercept_functions, watch_forward_hooks
 
 DEFAULT_OPSET = 20
@@ -129,7 +136,7 @@ class _Flat(nn.Module):
         self.watch.watch_parameters(params, [names[0] for names in self.param_names])
         self.semantics = ExportSemantics(self.watch)
         with swap_tensors(module, swap), intercept_functions(self.watch), \
-                watch_forward_hooks(module, self.watch), self.semantics:
+                watch_forward_hooks(module, self.watch), route_nested_dropout(self.semantics), self.semantics:
             try:
                 out = module(*args, **kwargs)
             except UnsupportedTrace:
