@@ -508,3 +508,23 @@ def test_parameter_read_through_data_follows_updates():
         assert wrapped.scale.grad is None and eager.scale.grad is None
         assert_close(wrapped.lin.weight.grad, eager.lin.weight.grad, 1e-6, "lin.weight.grad")
     assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 1
+
+
+class DeepThenItem(nn.Module):
+    """A value read at the end of a deep network: the producer walk must not recurse per node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(400))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+        return x if x.sum().item() > 0 else -x
+
+
+def test_value_read_after_a_deep_network_falls_back():
+    torch.manual_seed(0)
+    wrapped = ORTModule(DeepThenItem())
+    with pytest.warns(UserWarning, match="tensor.item()"):
+        wrapped(torch.randn(2, 4))

@@ -1,7 +1,7 @@
 """Trace traps: what the TorchScript tracer would record wrongly without a word, caught during the trace.
 
-# NOTE [trace traps]: the tracer runs the forward once and records the tensor ops it sees. Four
-# patterns come out silently wrong in the graph, so the export watches for them:
+# NOTE [trace traps]: the tracer runs the forward once and records the tensor ops it sees. These
+# patterns would come out silently wrong in the graph, so the export watches for them:
 #
 # - Python reading a traced tensor (``bool(t)``, ``t.item()``, ``int(t)``, ``len(t)``, ``t.tolist()``
 #   ...): the value is baked into the graph as a constant. Each conversion is classified by walking
@@ -96,7 +96,9 @@ class TraceWatch:
         self.other: list[str] = []  # other reasons the graph cannot be trusted
         self._user: set[int] = set()  # unique() of the traced values of user inputs
         self._state: set[int] = set()  # ... of parameters and buffers
-        self._memo: dict[int, int] = {}
+        self._grad: set[int] = set()  # ... of the inputs that require grad in eager
+        self.grad_sensitive = False  # the graph assumed which inputs require grad
+        self._memo: dict[tuple[int, bool], int] = {}
         self._param_storage: dict[int, str] = {}
         self._data_views: dict[int, str] = {}  # storage of a traced ``x.data`` -> where it was read
 
@@ -141,29 +143,38 @@ class TraceWatch:
 
     # -- classification -------------------------------------------------------------------------
     def _depends(self, value, through_size: bool) -> int:
-        """How ``value`` depends on the inputs: CONSTANT, SHAPE (user input sizes) or VALUE."""
+        """How ``value`` depends on the inputs: CONSTANT, SHAPE (user input sizes) or VALUE.
+
+        An iterative walk over the traced producers (a deep model's graph would overflow recursion).
+        Below an ``aten::size`` only the sizes of what it measures matter.
+        """
         key = (value.unique(), through_size)
         if key in self._memo:
             return self._memo[key]
-        uid = value.unique()
-        if uid in self._user:
-            result = SHAPE if through_size else VALUE
-        elif uid in self._state:
-            result = CONSTANT if through_size else VALUE  # parameter shapes are in the signature
-        else:
-            node = value.node()
-            kind = node.kind()
-            result = CONSTANT
-            if kind in ("aten::size", "aten::numel", "aten::sym_size"):
-                inputs = list(node.inputs())[:1]
-                sized = True
+        result = CONSTANT
+        stack = [(value, through_size)]
+        seen: set[tuple[int, bool]] = set()
+        while stack and result != VALUE:
+            v, sized = stack.pop()
+            k = (v.unique(), sized)
+            if k in seen:
+                continue
+            seen.add(k)
+            known = self._memo.get(k)
+            if known is not None:
+                result = max(result, known)
+                continue
+            if k[0] in self._user:
+                result = max(result, SHAPE if sized else VALUE)
+                continue
+            if k[0] in self._state:
+                result = max(result, CONSTANT if sized else VALUE)  # parameter shapes are in the signature
+                continue
+            node = v.node()
+            if node.kind() in ("aten::size", "aten::numel", "aten::sym_size"):
+                stack.extend((u, True) for u in list(node.inputs())[:1])
             else:
-                inputs = list(node.inputs())
-                sized = through_size
-            for inp in inputs:
-                result = max(result, self._depends(inp, sized))
-                if result == VALUE:
-                    break
+                stack.extend((u, sized) for u in node.inputs())
         self._memo[key] = result
         return result
 
