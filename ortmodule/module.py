@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import sys
 import threading
 import time
 import warnings
@@ -250,9 +251,9 @@ class ORTModule(nn.Module):
             entry = self._entries.get(sig)
             fresh = entry is None  # verify mode checks a new graph's first call (ortmodule/verify.py)
             if entry is None:
-                self._stats.cache_misses += 1
                 entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
                                                   needs_grad)
+                self._stats.cache_misses += 1  # counted once built or fallen back: a call that raised is none
                 self._entries.put(sig, entry)
                 # The trace ran the forward, which may set attributes (caches, counters): the graph
                 # stands for the module as the trace left it.
@@ -318,8 +319,9 @@ class ORTModule(nn.Module):
                     f"ORTModule falls back to eager PyTorch for {type(self.module).__name__}: {key} "
                     "(set fallback='raise' or ORTMODULE_FALLBACK=raise to make this an error)",
                     UserWarning,
-                    stacklevel=4,
+                    stacklevel=_user_stacklevel(),
                 )
+            self._stats.update_rss()
             return _FALLBACK
         self._stats.update_rss()
         return entry
@@ -447,7 +449,7 @@ class ORTModule(nn.Module):
                     "Softmax; under torch.autocast('cpu', dtype=torch.bfloat16) the model runs in float32 "
                     "(use dtype=torch.float16 on CPU, or bf16 on CUDA)",
                     UserWarning,
-                    stacklevel=5,
+                    stacklevel=_user_stacklevel(),
                 )
             return torch.autocast("cpu", enabled=False)
         return contextlib.nullcontext()
@@ -457,7 +459,7 @@ class ORTModule(nn.Module):
         if not folder:
             return
         os.makedirs(folder, exist_ok=True)
-        n = self._stats.cache_misses
+        n = self._stats.cache_misses + 1  # the miss being built
         base = os.path.join(folder, f"{type(self.module).__name__}_{n}")
         onnx.save(entry.exported.model, f"{base}_inference.onnx")
         if entry.graphs is not None:
@@ -474,6 +476,19 @@ class ORTModule(nn.Module):
         return export_inference(
             self.module, path, args, kwargs, dynamic_axes=dynamic_axes, optimized_path=optimized_path
         )
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the innermost caller outside torch and ortmodule, so a
+    warning points at the user's ``model(x)`` line, not at torch's ``_call_impl``."""
+    frame, level = sys._getframe(1), 1  # the frame calling warnings.warn is level 1
+    while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _autocast_state() -> tuple:

@@ -1,0 +1,46 @@
+"""Issue 17's rough edges a new user hits: where the fallback warning points, and what stats say after
+a fallback or a call that raised."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ortmodule import ORTModule
+
+
+class ReadsItem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * (2.0 if x.sum().item() > 0 else 1.0)
+
+
+def test_fallback_warning_points_at_the_callers_line():
+    wrapped = ORTModule(ReadsItem())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped(torch.randn(2, 4))  # the line the warning must name
+    (w,) = [w for w in caught if "falls back" in str(w.message)]
+    assert w.filename == __file__, w.filename
+    assert "wrapped(torch.randn(2, 4))" in open(__file__).read().splitlines()[w.lineno - 1]
+
+
+def test_stats_after_a_fallback_and_after_a_call_that_raised():
+    wrapped = ORTModule(ReadsItem())
+    with pytest.warns(UserWarning, match="falls back"):
+        wrapped(torch.randn(2, 4))
+    assert wrapped.stats.fallbacks == 1 and wrapped.stats.cache_misses == 1
+    assert wrapped.stats.peak_rss_mb > 0.0
+
+    mlp = ORTModule(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError):
+        mlp(torch.randn(2, 5))  # wrong feature size: eager's error, not a cache miss
+    assert mlp.stats.cache_misses == 0 and mlp.stats.fallbacks == 0
+    mlp(torch.randn(2, 4)).sum().backward()  # and the module keeps working
+    assert mlp.stats.cache_misses == 1 and mlp.weight.grad is not None
