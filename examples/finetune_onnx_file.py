@@ -47,10 +47,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder for the .onnx files (default: a temp dir)")
     parser.add_argument("--epochs", type=int, default=15)
     args = parser.parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        run(args.out, args.epochs)
+        return
+    with tempfile.TemporaryDirectory(prefix="ortmodule_") as tmp:  # removed afterwards
+        run(Path(tmp), args.epochs, keep=False)
+
+
+def run(out: Path, epochs: int, keep: bool = True) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    out = args.out or Path(tempfile.mkdtemp(prefix="ortmodule_"))
-    out.mkdir(parents=True, exist_ok=True)
     path, (X_tr, X_te, y_tr, y_te) = make_model_file(out)
 
     model = OnnxModule(path, outputs=["probabilities"])  # the 'label' output needs no gradient
@@ -70,7 +77,7 @@ def main() -> None:
     before = evaluate(x_tr, y_tr_t), evaluate(x_te, y_te_t)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     t0 = time.perf_counter()
-    for _ in range(args.epochs):
+    for _ in range(epochs):
         for idx in torch.randperm(len(x_tr)).split(64):
             opt.zero_grad()
             probs = model(x_tr[idx])
@@ -80,7 +87,7 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     after = evaluate(x_tr, y_tr_t), evaluate(x_te, y_te_t)
 
-    print(f"\nfine-tuning: {args.epochs} epochs, AdamW, {train_s:.2f} s")
+    print(f"\nfine-tuning: {epochs} epochs, AdamW, {train_s:.2f} s")
     print("              train loss  test loss  test acc")
     for label, ((tr_loss, _), (te_loss, te_acc)) in (("before", before), ("after", after)):
         print(f"{label:12s} {tr_loss:11.4f} {te_loss:10.4f} {te_acc:9.4f}")
@@ -90,6 +97,8 @@ def main() -> None:
     session = ort.InferenceSession(str(saved), providers=["CPUExecutionProvider"])
     labels, probs = session.run(None, {"X": X_te})
     print(f"\nsaved {saved}; onnxruntime test accuracy of the saved file: {(labels == y_te).mean():.4f}")
+    if not keep:
+        print("(a temporary folder, removed at exit: pass --out DIR to keep the files)")
 
 
 if __name__ == "__main__":
