@@ -122,6 +122,7 @@ class ORTModule(nn.Module):
         choose the batch columns). NOTE [own attributes]: stored in __dict__, rebuilt on unpickle."""
         module = self._modules["_original_module"]
 
+        @torch.compiler.disable  # NOTE [graph break]
         def forward(*args: Any, **kwargs: Any) -> Any:
             return ORTModule.forward(self, *args, **kwargs)
 
@@ -232,6 +233,9 @@ class ORTModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     # -- the engine ------------------------------------------------------------------------------
+    # NOTE [graph break]: under torch.compile the wrapper's call is one clean graph break: dynamo runs
+    # it as it is instead of tracing into ortmodule's Python (timers, caches, ORT sessions).
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         flat = flatten_inputs(args, kwargs)

@@ -44,3 +44,21 @@ def test_stats_after_a_fallback_and_after_a_call_that_raised():
     assert mlp.stats.cache_misses == 0 and mlp.stats.fallbacks == 0
     mlp(torch.randn(2, 4)).sum().backward()  # and the module keeps working
     assert mlp.stats.cache_misses == 1 and mlp.weight.grad is not None
+
+
+def test_torch_compile_of_the_wrapper_is_a_clean_graph_break():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    eager = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    eager.load_state_dict(net.state_dict())
+    wrapped = ORTModule(net)
+    compiled = torch.compile(wrapped)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).pow(2).sum().backward()
+    assert not [w for w in caught if "Dynamo" in str(w.message) or "perf_counter" in str(w.message)]
+    eager(x).pow(2).sum().backward()
+    for pe, po in zip(eager.parameters(), wrapped.parameters()):
+        assert torch.allclose(po.grad, pe.grad, rtol=1e-5, atol=1e-6)
+    assert wrapped.stats.exports == 1 and wrapped.stats.fallbacks == 0
