@@ -1,13 +1,14 @@
 """Hugging Face Trainer with ORTModule: fine-tune a small BERT (built from a config, no download) on
-a synthetic two-class task, save it with save_pretrained and reload it with from_pretrained.
+a synthetic two-class task, save it with Trainer.save_model and reload it with from_pretrained.
 
     wrapped = ORTModule(model)
-    Trainer(model=wrapped, args=TrainingArguments(...), train_dataset=...).train()
-    wrapped.save_pretrained(dir)          # attribute access reaches the wrapped PreTrainedModel
+    trainer = ORTTrainer(model=wrapped, args=TrainingArguments(...), train_dataset=...)
+    trainer.train()
+    trainer.save_model(dir)               # config.json + weights, as for the plain model
 
-One thing differs from training the plain model: save with ``wrapped.save_pretrained``
-(``Trainer.save_model`` does not unwrap ORTModule and writes only the state dict, without
-config.json). Requires ``accelerate`` (transformers' Trainer needs it).
+``ORTTrainer`` (``ortmodule.integrations.transformers``) is ``transformers.Trainer`` except that it
+saves the wrapped PreTrainedModel like the plain one (plain ``Trainer.save_model`` does not unwrap
+ORTModule and writes only the state dict). Requires ``accelerate`` (Trainer needs it).
 
 Run:  python examples/hf_trainer.py [--out hf_out/]
 """
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from ortmodule import ORTModule
+from ortmodule.integrations.transformers import ORTTrainer
 
 VOCAB, SEQ = 1000, 32
 
@@ -82,12 +84,12 @@ def main() -> None:
         learning_rate=1e-3, warmup_steps=5, logging_steps=10, report_to=[], use_cpu=True,
         save_strategy="no", eval_strategy="no", seed=0,
     )
-    trainer = Trainer(model=wrapped, args=targs, train_dataset=train)  # tqdm bar from the Trainer
+    trainer = ORTTrainer(model=wrapped, args=targs, train_dataset=train)  # tqdm bar from the Trainer
     result = trainer.train()
     print(f"train loss {result.training_loss:.4f}; test accuracy after: {accuracy(wrapped, test):.3f}")
     print(f"ORTModule: {wrapped.stats.exports} export(s), {wrapped.stats.cache_hits} cache hits")
 
-    wrapped.save_pretrained(out / "model")
+    trainer.save_model(str(out / "model"))
     reloaded = transformers.BertForSequenceClassification.from_pretrained(out / "model")
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
     print(f"saved to {out / 'model'}; reloaded with from_pretrained, identical weights: {same}; "

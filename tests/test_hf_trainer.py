@@ -118,3 +118,24 @@ def test_trainer_keeps_columns_named_by_wrapped_forward(tmp_path):
     trainer = Trainer(model=wrapped, args=args(tmp_path, max_steps=1), train_dataset=data)
     trainer.train()
     assert trainer.state.global_step == 1 and losses(trainer)
+
+
+def test_ort_trainer_saves_checkpoints_like_the_plain_model(tmp_path):
+    """ortmodule.integrations.transformers.ORTTrainer: save_model and the checkpoints write config.json
+    and weights via save_pretrained, and from_pretrained reloads the trained weights."""
+    from ortmodule.integrations.transformers import ORTTrainer
+
+    data = dataset()
+    model = bert()
+    wrapped = ORTModule(model)
+    trainer = ORTTrainer(model=wrapped, args=args(tmp_path, save_strategy="steps", save_steps=3), train_dataset=data)
+    trainer.train()
+    assert trainer.model is wrapped and wrapped.stats.fallbacks == 0
+    trainer.save_model(str(tmp_path / "saved"))
+    for folder in (tmp_path / "saved", tmp_path / "out" / "checkpoint-3"):
+        assert (folder / "config.json").exists(), sorted(p.name for p in folder.iterdir())
+        reloaded = transformers.BertForSequenceClassification.from_pretrained(folder)
+        assert list(reloaded.state_dict()) == list(model.state_dict())
+    final = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "saved")
+    for (n, a), b in zip(model.state_dict().items(), final.state_dict().values()):
+        assert torch.equal(a, b), n
