@@ -169,7 +169,26 @@ def _grads(outs: list[torch.Tensor], cots: list[torch.Tensor], wrt: list[torch.T
            retain: bool) -> Sequence[torch.Tensor | None]:
     if not outs or not wrt:
         return [None] * len(wrt)
-    return torch.autograd.grad(outs, wrt, cots, retain_graph=retain, allow_unused=True)
+    try:
+        # retain_graph=True: a failure half-way (below) must leave the graph intact for the retry;
+        # an eager reference graph is freed with its outputs anyway.
+        return torch.autograd.grad(outs, wrt, cots, retain_graph=True, allow_unused=True)
+    except RuntimeError as exc:
+        if "use_reentrant=True" not in str(exc):
+            raise
+    # A reentrant torch.utils.checkpoint in the eager forward refuses autograd.grad: take the
+    # gradients through .backward() and put every .grad back as it was (NOTE [verify leaves no trace]).
+    saved = [t.grad for t in wrt]
+    try:
+        for t in wrt:
+            t.grad = None
+            if not t.is_leaf:
+                t.retain_grad()
+        torch.autograd.backward(outs, cots, retain_graph=retain)
+        return [t.grad for t in wrt]
+    finally:
+        for t, g in zip(wrt, saved):
+            t.grad = g
 
 
 class Verification:

@@ -259,3 +259,32 @@ def test_fp16_autocast_verifies():
     with torch.autocast("cpu", dtype=torch.float16):
         out = wrapped(torch.randn(8, 16))
     assert out.dtype == torch.float16 and wrapped.stats.verifications == 1
+
+
+def test_verify_with_reentrant_checkpoint_in_forward():
+    """Eager's reentrant checkpoint refuses torch.autograd.grad: verification takes its gradients
+    through .backward() and puts every .grad back."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 2)
+            self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.out(h + checkpoint(self.block, h, use_reentrant=True))
+
+    torch.manual_seed(0)
+    net = Net()
+    eager = copy.deepcopy(net)
+    wrapped = ORTModule(net, verify=True, fallback="raise")
+    x = torch.randn(4, 8)
+    for m in (eager, wrapped):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)  # accumulated from an earlier micro-batch
+        m(x).sum().backward()
+    assert wrapped.stats.verifications == 1
+    for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad")
