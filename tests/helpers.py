@@ -94,3 +94,25 @@ def train_side_by_side(
             else:
                 assert torch.equal(bo, be), f"buffer {name} after step {step}: {bo} != {be}"
     return wrapped
+
+
+class NoSymbolic(nn.Module):
+    """torch.fft has no ONNX export in the TorchScript exporter: falls back at export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.fft.rfft(self.lin(x)).abs()
+
+
+class NoRule(nn.Module):
+    """Exports fine, but ONNX Det has no gradient rule: falls back when gradients are needed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.linalg.det(self.proj(x))

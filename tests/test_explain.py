@@ -10,32 +10,12 @@ from torch import nn
 import ortmodule
 from ortmodule import ORTModule
 
+from .helpers import NoRule, NoSymbolic
+
 
 def seeded(factory):
     torch.manual_seed(0)
     return factory()
-
-
-class NoRule(nn.Module):
-    """Exports fine, but ONNX Det has no gradient rule: falls back when gradients are needed."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(3, 3)
-
-    def forward(self, x):
-        return torch.linalg.det(self.proj(x))
-
-
-class NoSymbolic(nn.Module):
-    """torch.fft has no ONNX export in the TorchScript exporter."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.fft.rfft(self.lin(x)).abs()
 
 
 def mha():

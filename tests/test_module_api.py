@@ -20,7 +20,7 @@ from torch import nn
 import ortmodule
 from ortmodule import DebugOptions, ExportError, ORTModule
 
-from .helpers import CallCounter, assert_close
+from .helpers import CallCounter, NoRule, NoSymbolic, assert_close
 
 
 def seeded(fn):
@@ -653,28 +653,6 @@ def test_train_eval_no_grad_switch():
 
 
 # -- fallback, explain ----------------------------------------------------------------------------
-class NoSymbolic(nn.Module):
-    """torch.fft has no ONNX export in the TorchScript exporter."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.fft.rfft(self.lin(x)).abs()
-
-
-class NoRule(nn.Module):
-    """Exports fine, but ONNX Det has no gradient rule."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(3, 3)
-
-    def forward(self, x):
-        return torch.linalg.det(self.proj(x))
-
-
 @pytest.mark.parametrize("cls,expect", [(NoSymbolic, "fft"), (NoRule, "Det")])
 def test_fallback_warns_once_and_matches_eager(cls, expect):
     eager, wrapped = both(seeded(cls))

@@ -11,7 +11,7 @@ import ortmodule
 from ortmodule import ORTModule, VerificationError, VerifyTolerance
 from ortmodule.autodiff import registry
 
-from .helpers import assert_close
+from .helpers import NoSymbolic, assert_close
 
 
 def mlp():
@@ -189,14 +189,6 @@ def test_runs_once_per_compiled_graph():
 
 
 def test_fallback_calls_are_not_verified():
-    class NoSymbolic(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return torch.fft.rfft(self.lin(x)).abs()
-
     wrapped = ORTModule(NoSymbolic(), verify=True)
     with pytest.warns(UserWarning, match="falls back"):
         wrapped(torch.randn(2, 8))
