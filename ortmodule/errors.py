@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import onnx_ir as ir
+import torch
 
 MODULE_PATH_KEY = "pkg.ortmodule.module_path"
 
@@ -55,3 +59,31 @@ def module_path_from_scope(node_name: str, wrapper_attr: str = "module") -> str 
         else:
             parts.append(seg)
     return ".".join(parts)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _in_torch_or_ortmodule(filename: str) -> bool:
+    return filename.startswith((_TORCH_DIR, _OWN_DIR))
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the innermost caller outside torch and ortmodule, so a
+    warning points at the user's ``model(x)`` line, not at torch's ``_call_impl``."""
+    frame, level = sys._getframe(1), 1  # level 1: the caller, which calls warnings.warn
+    while frame is not None and _in_torch_or_ortmodule(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def user_location() -> str:
+    """``file:line in function`` of the innermost frame outside torch, ortmodule and contextlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        f = frame.f_code.co_filename
+        if not (_in_torch_or_ortmodule(f) or f.startswith("<") or "contextlib" in f):
+            return f"{f}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "an unknown place"

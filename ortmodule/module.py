@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import inspect
 import os
-import sys
 import threading
 import time
 import warnings
@@ -18,7 +17,7 @@ import psutil
 import torch
 from torch import nn
 
-from .errors import ExportError, GradientRuleError, ORTModuleError
+from .errors import ExportError, GradientRuleError, ORTModuleError, user_stacklevel
 from .export import export_module
 from .export.dynamic import DynamicExport, non_batch_dims
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
@@ -323,7 +322,7 @@ class ORTModule(nn.Module):
                     f"ORTModule falls back to eager PyTorch for {type(self.module).__name__}: {key} "
                     "(set fallback='raise' or ORTMODULE_FALLBACK=raise to make this an error)",
                     UserWarning,
-                    stacklevel=_user_stacklevel(),
+                    stacklevel=user_stacklevel(),
                 )
             self._stats.update_rss()
             return _FALLBACK
@@ -453,7 +452,7 @@ class ORTModule(nn.Module):
                     "Softmax; under torch.autocast('cpu', dtype=torch.bfloat16) the model runs in float32 "
                     "(use dtype=torch.float16 on CPU, or bf16 on CUDA)",
                     UserWarning,
-                    stacklevel=_user_stacklevel(),
+                    stacklevel=user_stacklevel(),
                 )
             return torch.autocast("cpu", enabled=False)
         return contextlib.nullcontext()
@@ -480,19 +479,6 @@ class ORTModule(nn.Module):
         return export_inference(
             self.module, path, args, kwargs, dynamic_axes=dynamic_axes, optimized_path=optimized_path
         )
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _user_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel of the innermost caller outside torch and ortmodule, so a
-    warning points at the user's ``model(x)`` line, not at torch's ``_call_impl``."""
-    frame, level = sys._getframe(1), 1  # the frame calling warnings.warn is level 1
-    while frame is not None and frame.f_code.co_filename.startswith((_TORCH_DIR, _OWN_DIR)):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _autocast_state() -> tuple:

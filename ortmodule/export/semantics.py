@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .traps import NOT_REWRITTEN, TraceWatch, rewrite
+from .traps import NOT_REWRITTEN, TraceWatch, rewrite, thread_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,12 +371,10 @@ def route_nested_dropout(semantics: _Base):
         if _routing_depth == 0:
             F.dropout, F.scaled_dot_product_attention = _routed_dropout, _routed_sdpa
         _routing_depth += 1
-    outer = getattr(_local, "semantics", None)
-    _local.semantics = semantics
     try:
-        yield
+        with thread_value(_local, "semantics", semantics):
+            yield
     finally:
-        _local.semantics = outer
         with _routing:
             _routing_depth -= 1
             if _routing_depth == 0:

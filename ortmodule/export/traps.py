@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
-import traceback
 from collections.abc import Iterator, Sequence
 
 import torch
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from ..errors import user_location
 
 CONSTANT, SHAPE, VALUE = 0, 1, 2
 
@@ -75,16 +72,6 @@ class Conversion:
 
     def __str__(self) -> str:
         return f"{self.what} at {self.where}"
-
-
-def user_location() -> str:
-    """``file:line in function`` of the innermost frame outside torch and ortmodule."""
-    for frame in reversed(traceback.extract_stack()):
-        f = frame.filename
-        if f.startswith((_TORCH_DIR, _OWN_DIR)) or f.startswith("<") or "contextlib" in f:
-            continue
-        return f"{f}:{frame.lineno} in {frame.name}"
-    return "an unknown place"
 
 
 class TraceWatch:
@@ -466,6 +453,17 @@ def _install_apply_hook() -> None:
 
 
 @contextlib.contextmanager
+def thread_value(local: threading.local, name: str, value) -> Iterator[None]:
+    """Set ``local.name`` to ``value`` for the block (this thread only), then put back what was there."""
+    outer = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, outer)
+
+
+@contextlib.contextmanager
 def intercept_functions(watch: TraceWatch) -> Iterator[None]:
     """Record every custom ``autograd.Function`` the forward applies (NOTE [trace traps]).
 
@@ -473,9 +471,5 @@ def intercept_functions(watch: TraceWatch) -> Iterator[None]:
     that call (the recompute in the backward is an eager memory saving, not a different function).
     """
     _install_apply_hook()
-    outer = getattr(_local, "watch", None)
-    _local.watch = watch
-    try:
+    with thread_value(_local, "watch", watch):
         yield
-    finally:
-        _local.watch = outer
