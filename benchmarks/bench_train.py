@@ -49,6 +49,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BUILTIN_MODELS = ("mlp", "cnn", "bert", "gpt2")
 ALL_MODES = ("eager", "compile", "ortmodule")
+# ortmodule-export: ORTModule with the torch.export front end (frontend="export"), beside the default.
+ORT_MODES = ("ortmodule", "ortmodule-export")
 MARK = "@@BENCH "  # prefix of the protocol lines a worker writes
 
 # Repetitions: warmup steps, then `reps` rounds of `inner` timed steps of each kind, per model.
@@ -240,11 +242,11 @@ class Worker:
             self.model = model
         elif mode == "compile":
             self.model = torch.compile(model)
-        elif mode == "ortmodule":
+        elif mode in ORT_MODES:
             from ortmodule import ORTModule
 
             _OrtRunTimer.install()
-            self.model = ORTModule(model)
+            self.model = ORTModule(model, frontend="export" if mode == "ortmodule-export" else None)
         else:
             raise ValueError(f"unknown mode {mode!r}")
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -323,7 +325,7 @@ class Worker:
         stats = getattr(self.model, "stats", None)
         if dataclasses.is_dataclass(stats):
             out["ort_stats"] = dataclasses.asdict(stats)
-        if self.mode == "ortmodule":
+        if self.mode in ORT_MODES:
             import onnxruntime
 
             out["onnxruntime"] = onnxruntime.__version__
@@ -391,7 +393,7 @@ class WorkerHandle:
             cmd.append("--quick")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        if mode == "ortmodule" and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & env.keys():
+        if mode in ORT_MODES and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & env.keys():
             # What `import ortmodule` before `import torch` does (NOTE [threads] in
             # ortmodule/__init__.py); eager and compile keep torch's default.
             env["GOMP_SPINCOUNT"] = "10000"
@@ -525,7 +527,7 @@ def summarize(h: WorkerHandle, s: dict) -> dict:
         "samples_per_s": res.get("batch_size", 0) / (_median(full) / 1e3),
         "n_fwd_bwd": len(total), "n_full": len(full),
     })
-    if h.mode == "ortmodule":
+    if h.mode in ORT_MODES:
         ort_f = _median(ms([p["ort_fwd"] for p in fb]))
         ort_b = _median(ms([p["ort_bwd"] for p in fb]))
         res["ort_breakdown_ms"] = {
@@ -601,28 +603,34 @@ def markdown(results: dict) -> str:
                 f"| {_fmt(r.get('fwd_bwd_min_ms'), '.2f')} | {_fmt(r.get('full_median_ms'), '.2f')} "
                 f"| {_fmt(r.get('samples_per_s'), '.0f')} | {speed} | {_fmt(r.get('peak_rss_mb'), '.0f')} |"
             )
-        ort = res_m.get("ortmodule", {})
-        if ort.get("ort_breakdown_ms") or ort.get("first_call_breakdown_s"):
-            lines.append("")
-            fc = ort.get("first_call_breakdown_s") or {}
-            if fc:
-                lines.append(
-                    f"ORTModule first call: export {_fmt(fc.get('export_s'), '.2f')} s, gradient build "
-                    f"{_fmt(fc.get('gradient_build_s'), '.2f')} s, session creation "
-                    f"{_fmt(fc.get('session_create_s'), '.2f')} s."
-                )
-            b = ort.get("ort_breakdown_ms")
-            if b:
-                lines.append(
-                    f"ORTModule steady fwd+bwd (medians of separate quantities, so they need not add up): "
-                    f"ORT forward session run {b['forward_run']:.2f} ms, ORT backward session run "
-                    f"{b['backward_run']:.2f} ms; the rest of a step outside the two session runs "
-                    f"{b['torch_overhead']:.2f} ms (the loss, Python, binding, autograd). Wall time of the "
-                    f"forward call {b['forward_wall']:.2f} ms and of loss.backward() {b['backward_wall']:.2f} ms, "
-                    "each including its session run."
-                )
+        for ort_mode in ORT_MODES:
+            _ort_lines(lines, ort_mode, res_m.get(ort_mode, {}))
         lines.append("")
     return "\n".join(lines)
+
+
+def _ort_lines(lines: list[str], mode: str, ort: dict) -> None:
+    """The first-call breakdown and steady-state session times of one ORTModule mode."""
+    if not (ort.get("ort_breakdown_ms") or ort.get("first_call_breakdown_s")):
+        return
+    lines.append("")
+    fc = ort.get("first_call_breakdown_s") or {}
+    if fc:
+        lines.append(
+            f"ORTModule ({mode}) first call: export {_fmt(fc.get('export_s'), '.2f')} s, gradient build "
+            f"{_fmt(fc.get('gradient_build_s'), '.2f')} s, session creation "
+            f"{_fmt(fc.get('session_create_s'), '.2f')} s."
+        )
+    b = ort.get("ort_breakdown_ms")
+    if b:
+        lines.append(
+            f"ORTModule ({mode}) steady fwd+bwd (medians of separate quantities, so they need not add up): "
+            f"ORT forward session run {b['forward_run']:.2f} ms, ORT backward session run "
+            f"{b['backward_run']:.2f} ms; the rest of a step outside the two session runs "
+            f"{b['torch_overhead']:.2f} ms (the loss, Python, binding, autograd). Wall time of the "
+            f"forward call {b['forward_wall']:.2f} ms and of loss.backward() {b['backward_wall']:.2f} ms, "
+            "each including its session run."
+        )
 
 
 def plot(results: dict, path: Path, quick: bool = False) -> None:
@@ -692,7 +700,7 @@ def main(argv=None) -> int:
                     help=f"built-in ({', '.join(BUILTIN_MODELS)}, comma-separated) or module:factory; "
                          "repeatable (default: all built-ins)")
     ap.add_argument("--modes", default=",".join(ALL_MODES),
-                    help="comma-separated subset of " + ",".join(ALL_MODES))
+                    help="comma-separated subset of " + ",".join(ALL_MODES + ORT_MODES[1:]))
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few reps (CI smoke; no speed claims)")
     ap.add_argument("--threads", type=int, default=None, help="torch/ORT threads (default: physical cores)")
     ap.add_argument("--timeout", type=float, default=None,
@@ -723,9 +731,9 @@ def main(argv=None) -> int:
     for spec in args.model or [",".join(BUILTIN_MODELS)]:
         models += [s for s in spec.split(",") if s] if ":" not in spec else [spec]
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m not in ALL_MODES + ORT_MODES]
     if bad:
-        ap.error(f"unknown modes {bad}; choose from {ALL_MODES}")
+        ap.error(f"unknown modes {bad}; choose from {ALL_MODES + ORT_MODES[1:]}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = args.out_dir / "logs"
     log_dir.mkdir(exist_ok=True)

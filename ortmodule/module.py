@@ -20,6 +20,7 @@ from torch import nn
 from .errors import ExportError, GradientRuleError, ORTModuleError, user_stacklevel
 from .export import export_module
 from .export.dynamic import DynamicExport, non_batch_dims
+from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
 from .guards import find_change, snapshot
@@ -104,6 +105,7 @@ class ORTModule(nn.Module):
         debug: DebugOptions | None = None,
         verify: bool | None = None,
         verify_tolerance: VerifyTolerance | None = None,
+        frontend: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -112,7 +114,7 @@ class ORTModule(nn.Module):
             raise TypeError("module is already an ORTModule")
         self._original_module = module
         self._register_load_state_dict_pre_hook(ORTModule._unwrap_keys, with_module=True)
-        self._options = Options.resolve(fallback, cache_size, debug, verify, verify_tolerance)
+        self._options = Options.resolve(fallback, cache_size, debug, verify, verify_tolerance, frontend)
         self._init_runtime_state()
         self._expose_signature()
 
@@ -416,7 +418,7 @@ class ORTModule(nn.Module):
             dkey = (shapeless, non_batch_dims(shapes))
             dyn = self._dynamic.get(dkey)
         if dyn is not None and dyn.covers(shapes):
-            exported = dyn.reference
+            exported = dyn.served(shapes)
         else:
             exported = self._export(sig, *args, dynamic=dyn is None or not dyn.static, batch_only=batch_only)
             if dyn is None:
@@ -424,7 +426,7 @@ class ORTModule(nn.Module):
                     self._dynamic.put(dkey, DynamicExport.start(exported, shapes))
             elif dyn.verify(exported, shapes):
                 logger.info("graph verified shape-generic for dims %s", sorted(dyn.verified))
-                exported = dyn.reference
+                exported = dyn.served(shapes)
         self._exports.put(key, exported)
         return exported
 
@@ -432,8 +434,9 @@ class ORTModule(nn.Module):
                 batch_only: bool = False) -> ExportedModel:
         t0 = time.perf_counter()
         with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
-            exported = export_module(self.module, flat, params, param_names, buffers, buffer_names,
-                                     dynamic=dynamic, batch_only=batch_only)
+            export = export_program if self._options.frontend == "export" else export_module
+            exported = export(self.module, flat, params, param_names, buffers, buffer_names,
+                              dynamic=dynamic, batch_only=batch_only)
         self._stats.export_s += time.perf_counter() - t0
         self._stats.exports += 1
         logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)

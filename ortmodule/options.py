@@ -16,6 +16,9 @@ Environment variables (read when an ORTModule is created; constructor arguments 
                            ``0`` (default): off. See ``ortmodule/verify.py``.
 ``ORTMODULE_VERIFY_RTOL``  the float32 relative tolerance of verification (default 1e-4);
                            ``verify_tolerance=VerifyTolerance(...)`` sets all of them.
+``ORTMODULE_FRONTEND``     how the forward is captured (``frontend=``): ``torchscript`` (default,
+                           the legacy tracer) or ``export`` (torch.export + onnxscript's torchlib,
+                           symbolic shapes with guards; ``ortmodule/export/program.py``).
 ========================== =================================================================
 """
 
@@ -27,6 +30,8 @@ import logging
 import os
 
 logger = logging.getLogger("ortmodule")
+
+FRONTENDS = ("torchscript", "export")
 
 
 class FallbackPolicy(str, enum.Enum):
@@ -74,6 +79,7 @@ class Options:
     debug: DebugOptions = dataclasses.field(default_factory=DebugOptions)
     verify: bool = False
     verify_tolerance: VerifyTolerance = dataclasses.field(default_factory=VerifyTolerance)
+    frontend: str = "torchscript"
 
     @classmethod
     def resolve(
@@ -83,6 +89,7 @@ class Options:
         debug: DebugOptions | None = None,
         verify: bool | None = None,
         verify_tolerance: VerifyTolerance | None = None,
+        frontend: str | None = None,
     ) -> Options:
         env_fallback = os.environ.get("ORTMODULE_FALLBACK")
         policy = fallback or env_fallback or FallbackPolicy.FALLBACK
@@ -108,5 +115,8 @@ class Options:
         if verify_tolerance is None:
             rtol = os.environ.get("ORTMODULE_VERIFY_RTOL")
             verify_tolerance = VerifyTolerance(rtol=float(rtol)) if rtol else VerifyTolerance()
+        frontend = (frontend or os.environ.get("ORTMODULE_FRONTEND") or "torchscript").strip().lower()
+        if frontend not in FRONTENDS:
+            raise ValueError(f"unknown frontend {frontend!r}; use one of {list(FRONTENDS)}")
         return cls(fallback=policy, cache_size=size, debug=debug, verify=bool(verify),
-                   verify_tolerance=verify_tolerance)
+                   verify_tolerance=verify_tolerance, frontend=frontend)

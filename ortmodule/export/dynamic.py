@@ -109,6 +109,9 @@ class DynamicExport:
     verified: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     static: bool = False  # the graph was seen to change with the shape
     exact: set[Shapes] = dataclasses.field(default_factory=set)  # shapes a conditional graph serves
+    # NOTE [shape guards]: torch.export graphs, each serving the shapes its guard admits; a shape
+    # none admits is exported again, and that graph joins them.
+    guarded: list[ExportedModel] = dataclasses.field(default_factory=list)
 
     @property
     def shape_conditional(self) -> bool:
@@ -117,7 +120,16 @@ class DynamicExport:
 
     @classmethod
     def start(cls, exported: ExportedModel, shapes: Shapes) -> DynamicExport:
+        if exported.guard is not None:
+            return cls(exported, shapes, (), [], guarded=[exported])
         return cls(exported, shapes, graph_fingerprint(exported.model), [(shapes, exported.masks)], exact={shapes})
+
+    def served(self, shapes: Shapes) -> ExportedModel:
+        """The graph that serves ``shapes`` (after ``covers`` or ``verify`` said one does)."""
+        for exported in self.guarded:
+            if exported.guard.covers(shapes):
+                return exported
+        return self.reference
 
     @property
     def batch_only(self) -> bool:
@@ -127,6 +139,8 @@ class DynamicExport:
         return {(i, j) for i, (a, b) in enumerate(zip(self.ref_shapes, shapes)) for j in range(len(a)) if a[j] != b[j]}
 
     def covers(self, shapes: Shapes) -> bool:
+        if self.guarded:
+            return any(e.guard.covers(shapes) for e in self.guarded)
         if self.static:
             return False
         if self.shape_conditional:
@@ -140,6 +154,10 @@ class DynamicExport:
 
     def verify(self, candidate: ExportedModel, shapes: Shapes) -> bool:
         """Compare ``candidate`` (exported at ``shapes``) with the reference; True if it can serve."""
+        if candidate.guard is not None and self.guarded:
+            self.guarded.append(candidate)
+            del self.guarded[:-8]  # the most recent few (a model specialised on every size grows no list)
+            return candidate.guard.covers(shapes)
         if self.static or not self.may_serve(shapes):
             return False
         if candidate.shape_conditions and not self.reference.shape_conditions:

@@ -341,7 +341,9 @@ def _nested_semantics() -> _Base | None:
     """This thread's tracing ExportSemantics if the call runs below it (inside another torch
     function, the mode popped); at top level the mode itself handles the call."""
     semantics = getattr(_local, "semantics", None)
-    if semantics is None or not torch._C._get_tracing_state() or torch._C._len_torch_function_stack() > 0:
+    if semantics is None or torch._C._len_torch_function_stack() > 0:
+        return None
+    if semantics.watch is not None and not semantics.watch.tracing():
         return None
     return semantics
 
@@ -381,19 +383,36 @@ def route_nested_dropout(semantics: _Base):
                 F.dropout, F.scaled_dot_product_attention = _F_DROPOUT, _F_SDPA
 
 
+def _hint(v) -> int:
+    """A size as an int: under torch.export a SymInt's example value, read without adding a guard."""
+    if isinstance(v, torch.SymInt):
+        hint = v.node.hint
+        if hint is None:
+            raise ValueError("a dropout input has a data-dependent size")
+        return int(hint)
+    return int(v)
+
+
+def _dense_in(order, shape, strides) -> bool:
+    """Whether ``strides`` are those of a dense tensor laid out in ``order`` (outermost first)."""
+    step = 1
+    for d in reversed(order):
+        if shape[d] > 1 and strides[d] != step:
+            return False
+        step *= shape[d]
+    return True
+
+
 def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     """NOTE [mask layout]: x's dims from the outermost in memory; None if x is contiguous."""
-    if x.is_contiguous() or x.dim() < 2:
+    if x.dim() < 2:
         return None
+    shape, strides = [_hint(d) for d in x.shape], [_hint(s) for s in x.stride()]
+    if _dense_in(range(x.dim()), shape, strides):
+        return None  # contiguous
     # empty_like(x) keeps x's strides only where x is dense and non-overlapping.
-    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), d)))
-    expected, step = [0] * x.dim(), 1
-    for d in reversed(order):  # the strides of a contiguous tensor laid out in ``order``
-        expected[d] = step
-        step *= int(x.shape[d])
-    if any(int(x.shape[d]) > 1 and expected[d] != x.stride(d) for d in range(x.dim())):
-        return None
-    return order
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-strides[d], d)))
+    return order if _dense_in(order, shape, strides) else None
 
 
 class ExportSemantics(_Base):
@@ -402,13 +421,15 @@ class ExportSemantics(_Base):
     def __init__(self, watch: TraceWatch | None = None) -> None:
         super().__init__()
         self.masks: list[MaskSpec] = []
+        self.mask_sizes: list[tuple] = []  # each mask's sizes as traced (SymInts under torch.export)
         self.watch = watch
 
     def dropout(self, x, p):
         if p >= 1.0:
             return x * 0.0
         k = len(self.masks)
-        self.masks.append(MaskSpec(tuple(int(d) for d in x.shape), x.dtype, p, order=_memory_order(x)))
+        self.mask_sizes.append(tuple(x.shape))
+        self.masks.append(MaskSpec(tuple(_hint(d) for d in x.shape), x.dtype, p, order=_memory_order(x)))
         return x * torch.ops.ortmodule.dropout_mask(x, p, k)  # the mask holds 0 or 1 / (1 - p)
 
     def _batch_norm(self, func, args, kwargs):
@@ -433,4 +454,9 @@ class ExportSemantics(_Base):
             stat_mean, stat_var = mean.clone(), var.clone()
             rm.copy_(rm * (1.0 - momentum) + mean * momentum)
             rv.copy_(rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum)
+        if self.watch is not None and not self.watch.jit:
+            # torch.export: without running stats the batch norm call mutates nothing, so it stays
+            # one ``aten.batch_norm`` through functionalization (NOTE [functional graphs]) and is
+            # written as BatchNormalization(training_mode=1) (NOTE [torch.export front end]).
+            return func(x, None, None, b["weight"], b["bias"], True, momentum, b["eps"])
         return func(x, stat_mean, stat_var, b["weight"], b["bias"], True, momentum, b["eps"])

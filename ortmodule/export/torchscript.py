@@ -7,6 +7,7 @@ import dataclasses
 import io
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -22,6 +23,9 @@ from .semantics import (
     masks_to_inputs,
     route_nested_dropout,
 )
+
+if TYPE_CHECKING:
+    from .program import ShapeGuard
 from .traps import TraceWatch, UnsupportedTrace, backward_hook_failure, intercept_functions, watch_forward_hooks
 
 DEFAULT_OPSET = 20
@@ -72,6 +76,9 @@ class ExportedModel:
     # Which user inputs and parameters required grad at export, where the graph depends on it (a
     # reentrant checkpoint: NOTE [trace traps]); None where it does not.
     grad_mask: tuple[bool, ...] | None = None
+    # The torch.export front end: the input shapes the graph serves (NOTE [shape guards]).
+    guard: ShapeGuard | None = None
+    frontend: str = "torchscript"
 
 
 @contextlib.contextmanager

@@ -77,7 +77,11 @@ class Conversion:
 class TraceWatch:
     """What the trace did that the graph cannot show: conversions and custom Functions."""
 
-    def __init__(self) -> None:
+    def __init__(self, jit: bool = True) -> None:
+        # ``jit``: the TorchScript tracer runs the forward (its value trace tells what a tensor came
+        # from). False under torch.export (NOTE [torch.export front end]), which itself refuses
+        # data-dependent Python and turns size reads into symbolic shapes with guards.
+        self.jit = jit
         self.conversions: list[Conversion] = []
         self.functions: list[tuple[str, str]] = []  # (class name, where)
         self.other: list[str] = []  # other reasons the graph cannot be trusted
@@ -93,6 +97,8 @@ class TraceWatch:
                      grad_sources: Sequence[torch.Tensor] = ()) -> None:
         """The traced inputs; ``grad_sources``: those that require grad in eager (trainable
         parameters, user inputs with requires_grad), which the trace itself does not show."""
+        if not self.jit:  # no value trace to read (reading one outside a JIT trace crashes)
+            return
         self._user = {v for v in (_trace_id(t) for t in user) if v is not None}
         self._state = {v for v in (_trace_id(t) for t in state) if v is not None}
         self._grad = {v for v in (_trace_id(t) for t in grad_sources) if v is not None}
@@ -108,8 +114,14 @@ class TraceWatch:
         """Parameters by storage: an in-place op on one (or on a view, ``.data``) is caught."""
         self._param_storage = {_storage_ptr(p): n for p, n in zip(params, names) if p.numel()}
 
+    def tracing(self) -> bool:
+        """Whether the forward runs under the capture this watch belongs to (this thread)."""
+        return bool(torch._C._get_tracing_state()) if self.jit else True
+
     def requires_grad_in_eager(self, t: torch.Tensor) -> bool:
         """Whether ``t`` would require grad in eager PyTorch: it is computed from a grad source."""
+        if not self.jit:  # torch.export traces with the eager requires_grad flags
+            return bool(t.requires_grad)
         try:
             start = torch._C._get_value_trace(t)
         except RuntimeError:
@@ -166,7 +178,7 @@ class TraceWatch:
         return result
 
     def classify(self, t: torch.Tensor, size_only: bool) -> int:
-        if not torch._C._get_tracing_state():
+        if not self.jit or not torch._C._get_tracing_state():
             return CONSTANT
         try:
             value = torch._C._get_value_trace(t)
@@ -246,8 +258,9 @@ def _is_inplace(func) -> bool:
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (its StorageImpl: also for fake tensors, whose data_ptr is 0)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return -1
 
@@ -431,7 +444,7 @@ def _install_apply_hook() -> None:
 
         def apply(cls, *args, **kwargs):
             watch = getattr(_local, "watch", None)
-            if watch is not None and torch._C._get_tracing_state():
+            if watch is not None and watch.tracing():
                 if cls is CheckpointFunction:
                     function, _preserve_rng, *inputs = args
                     watch.grad_sensitive = True

@@ -1,0 +1,466 @@
+"""The torch.export front end behind :func:`export_module` (``frontend="export"``).
+
+# NOTE [torch.export front end]: the module is captured with ``torch.export.export(strict=False)``
+# through the same flat wrapper as the TorchScript path (user tensors, parameters, buffers as
+# inputs; cloned buffers returned when mutated), under the same ExportSemantics mode: dropout masks
+# are ``ortmodule::dropout_mask`` placeholders, ``detach`` / ``no_grad`` results
+# ``ortmodule::stop_gradient``, BatchNorm running stats explicit updates (NOTE [dropout masks],
+# NOTE [batchnorm stats]). The ATen graph is translated by torch.onnx's own translator with
+# onnxscript's torchlib, plus three translations of ours: the two placeholders become
+# ``ortmodule`` domain nodes that the shared post-processing turns into mask inputs and marked
+# Identities, and a training ``batch_norm`` becomes ``BatchNormalization(training_mode=1)``
+# (torchlib writes every batch norm in inference mode). What torch.export handles itself:
+# data-dependent Python (``.item()`` branches) makes it raise (a named fallback); sizes read
+# from ``x.shape`` become symbolic expressions, and branches on them become guards
+# (NOTE [shape guards]); in-place writes to inputs and parameters show in the graph signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from collections.abc import Sequence
+
+import onnx
+import torch
+from torch import nn
+
+from ..errors import MODULE_PATH_KEY, ExportError
+from ..io import FlatInputs
+from .semantics import define_mask_op, mark_stop_gradients, masks_to_inputs
+from .torchscript import (
+    WRAPPER_ATTR,
+    ExportedModel,
+    _Flat,
+    _trace_copy,
+    input_name,
+    mask_name,
+)
+from .traps import TraceWatch, backward_hook_failure
+
+OPSET = 20
+_lock = threading.Lock()
+_registry = None
+
+
+def _custom_op(name: str, attrs: Sequence[str]):
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    from .semantics import MASK_DOMAIN
+
+    schema = OpSchema(
+        name, MASK_DOMAIN, 1,
+        inputs=[OpSchema.FormalParameter("x", "T")],
+        outputs=[OpSchema.FormalParameter("y", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in attrs],
+    )
+    return onnxscript.values.Op(onnxscript.values.Opset(MASK_DOMAIN, 1), name, schema)
+
+
+def onnx_registry():
+    """torchlib's ATen -> ONNX translations with ours on top (built once per process)."""
+    global _registry
+    with _lock:
+        if _registry is not None:
+            return _registry
+        from onnxscript import opset20 as op
+        from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+        from .semantics import MASK_OP, STOP_GRADIENT_OP
+
+        define_mask_op()
+        mask_op, stop_op = _custom_op(MASK_OP, ["index"]), _custom_op(STOP_GRADIENT_OP, [])
+
+        def dropout_mask(x, p: float, k: int):
+            return mask_op(x, index=k)
+
+        def stop_gradient(x):
+            return stop_op(x)
+
+        def batch_norm(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
+                       momentum=0.1, eps=1e-5, cudnn_enabled=False):
+            channels = op.Shape(input, start=1, end=2)
+            one = op.CastLike(op.Constant(value_floats=[1.0]), input)
+            zero = op.CastLike(op.Constant(value_floats=[0.0]), input)
+            weight = op.Expand(one, channels) if weight is None else weight
+            bias = op.Expand(zero, channels) if bias is None else bias
+            onnx_momentum = 1.0 - (0.1 if momentum is None else momentum)
+            if not training:
+                return op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps,
+                                             momentum=onnx_momentum)
+            # Training mode: Y reads the batch statistics only; the stat inputs are placeholders
+            # where the module keeps none (NOTE [batchnorm stats]: ours are explicit updates).
+            mean = op.Expand(zero, channels) if running_mean is None else running_mean
+            var = op.Expand(one, channels) if running_var is None else running_var
+            y, _, _ = op.BatchNormalization(input, weight, bias, mean, var, epsilon=eps, momentum=onnx_momentum,
+                                            training_mode=1)
+            return y
+
+        from onnxscript.function_libs.torch_lib.ops import core as torchlib
+
+        def to(self, *args, dtype=None, **kwargs):
+            # aten.to.dtype_layout / aten.to.device: NOTE [export time] (a cast, or nothing)
+            return torchlib.aten__to_copy(self, dtype=-1 if dtype is None else dtype)
+
+        def to_device(self, device=None, dtype=None, non_blocking=False, copy=False, memory_format=None):
+            return to(self, dtype=dtype)
+
+        def batch_norm_no_stats(input, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+            # What functionalization makes of our stat-less training batch_norm (NOTE [batchnorm
+            # stats] in semantics.py). The saved mean and rstd are written out in case something
+            # reads them (unread, they are removed with the other unused values).
+            y = batch_norm(input, weight, bias, None, None, training, momentum, eps)
+            axes = op.Constant(value_ints=[0, *range(2, len(input.shape))])
+            mean = op.ReduceMean(input, axes, keepdims=1)
+            centered = op.Sub(input, mean)
+            var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=0)
+            eps_t = op.CastLike(op.Constant(value_float=eps), input)
+            rstd = op.Reciprocal(op.Sqrt(op.Add(var, eps_t)))
+            return y, op.ReduceMean(input, axes, keepdims=0), rstd
+
+        registry = ONNXRegistry.from_torchlib()
+        registry.register_op(torch.ops.aten._native_batch_norm_legit.no_stats, batch_norm_no_stats)
+        registry.register_op(torch.ops.aten.to.dtype_layout, to)
+        registry.register_op(torch.ops.aten.to.device, to_device)
+        registry.register_op(torch.ops.aten.__and__.Tensor, torchlib.aten_bitwise_and)
+        registry.register_op(torch.ops.aten.__or__.Tensor, torchlib.aten_bitwise_or)
+        registry.register_op(torch.ops.ortmodule.dropout_mask.default, dropout_mask)
+        registry.register_op(torch.ops.ortmodule.stop_gradient.default, stop_gradient)
+        registry.register_op(torch.ops.aten.batch_norm.default, batch_norm)
+        _registry = registry
+        return registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeGuard:
+    """NOTE [shape guards]: which user input shapes a torch.export graph serves.
+
+    ``dims[i][j]`` is an int (the size is fixed), the name of a free symbol (any size in
+    ``ranges[name]``, equal wherever the name recurs), or None: a size computed from other sizes,
+    served only at its export-time value ``fixed[i][j]``. ``code`` holds torch.export's own guards
+    (``L['tensors'][0].size()[1] > 5``), evaluated on every call's sizes.
+    """
+
+    dims: tuple[tuple[int | str | None, ...], ...]
+    fixed: tuple[tuple[int, ...], ...]
+    ranges: tuple[tuple[str, int, int | None], ...]
+    code: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        source = " and ".join(f"({c})" for c in self.code) or "True"
+        object.__setattr__(self, "_check", eval(f"lambda L: {source}", {"__builtins__": {}}))  # noqa: S307
+
+    def covers(self, shapes: Sequence[Sequence[int]]) -> bool:
+        """Whether the graph serves these user input shapes (parameters and buffers are fixed)."""
+        shapes = [*shapes, *self.fixed[len(shapes):]]
+        values: dict[str, int] = {}
+        for dims, fixed, shape in zip(self.dims, self.fixed, shapes):
+            if len(shape) != len(dims):
+                return False
+            for d, f, v in zip(dims, fixed, shape):
+                if isinstance(d, str):
+                    if values.setdefault(d, v) != v:
+                        return False
+                elif v != f:
+                    return False
+        for name, low, high in self.ranges:
+            v = values.get(name)
+            if v is not None and (v < low or (high is not None and v > high)):
+                return False
+        try:
+            return bool(self._check({"tensors": [_Sizes(s) for s in shapes]}))
+        except Exception:  # a guard on something else than sizes: not proven, not served
+            return False
+
+
+class _Sizes:
+    __slots__ = ("shape",)
+
+    def __init__(self, shape) -> None:
+        self.shape = tuple(shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+
+def _shape_guard(ep, n_user: int, n_all: int) -> ShapeGuard:
+    users = set(ep.graph_signature.user_inputs)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
+    if len(placeholders) != n_all:
+        raise ExportError(f"torch.export captured {len(placeholders)} inputs for {n_all} flat tensors")
+    dims, fixed = [], []
+    for node in placeholders:
+        val = node.meta["val"]
+        row, hint = [], []
+        for s in val.shape:
+            if isinstance(s, int):
+                row.append(s)
+                hint.append(s)
+                continue
+            expr = s.node.expr
+            row.append(int(expr) if expr.is_Integer else str(expr) if expr.is_Symbol else None)
+            hint.append(int(s.node.hint))
+        dims.append(tuple(row))
+        fixed.append(tuple(hint))
+    ranges = []
+    for sym, vr in ep.range_constraints.items():
+        if not getattr(sym, "is_Symbol", False):
+            continue
+        ranges.append((str(sym), _bound(vr.lower, 0), _bound(vr.upper, None)))
+    return ShapeGuard(tuple(dims), tuple(fixed), tuple(ranges), tuple(getattr(ep, "_guards_code", ()) or ()))
+
+
+def _bound(value, unbounded):
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return unbounded  # +-oo (torch's int_oo)
+
+
+def _mask_dims(semantics, guard: ShapeGuard, n_user: int):
+    """Each mask dim as an int or ``(i, j)`` (a user input dim); None if one is neither."""
+    where: dict[str, tuple[int, int]] = {}
+    for i, row in enumerate(guard.dims[:n_user]):
+        for j, d in enumerate(row):
+            if isinstance(d, str):
+                where.setdefault(d, (i, j))
+    resolved = []
+    for spec, sizes in zip(semantics.masks, semantics.mask_sizes):
+        dims = []
+        for s in sizes:
+            if isinstance(s, int):
+                dims.append(s)
+                continue
+            expr = s.node.expr
+            if expr.is_Integer:
+                dims.append(int(expr))
+            elif expr.is_Symbol and str(expr) in where:
+                dims.append(where[str(expr)])
+            else:
+                return None
+        resolved.append(dataclasses.replace(spec, dims=tuple(dims)))
+    return tuple(resolved)
+
+
+def _module_path(node: onnx.NodeProto) -> str | None:
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = eval(prop.value, {"__builtins__": {}})  # noqa: S307 - a repr'd list of str
+            except Exception:
+                return None
+            modules = [s for s in scopes[:-1] if s]
+            if not modules or not modules[-1].startswith(WRAPPER_ATTR):
+                return "" if not modules else None
+            path = modules[-1][len(WRAPPER_ATTR):]
+            return path[1:] if path.startswith(".") else path
+    return None
+
+
+_DROP_METADATA = ("pkg.torch.onnx.fx_node", "pkg.torch.onnx.stack_trace", "pkg.torch.onnx.class_hierarchy",
+                  "namespace", "pkg.torch.onnx.name_scopes")
+
+
+def export_program(
+    module: nn.Module,
+    flat: FlatInputs,
+    params: Sequence[torch.Tensor],
+    param_names: Sequence[Sequence[str]],
+    buffers: Sequence[torch.Tensor],
+    buffer_names: Sequence[Sequence[str]],
+    *,
+    opset: int = OPSET,
+    dynamic: bool = False,
+    batch_only: bool = False,
+) -> ExportedModel:
+    """Capture ``module`` with torch.export and translate it (NOTE [torch.export front end])."""
+    if opset != OPSET:
+        raise ExportError(f"the torch.export front end writes opset {OPSET} graphs, not {opset}")
+    hooked = backward_hook_failure(module)
+    if hooked is not None:
+        raise ExportError(f"{type(module).__name__}: {hooked}")
+    name = type(module).__name__
+    registry = onnx_registry()
+    wrapper = _Captured(module, flat, param_names, buffer_names)
+    wrapper.watch = TraceWatch(jit=False)
+    wrapper.trainable = [p.requires_grad for p in params]
+    user = tuple(_trace_copy(t) for t in flat.tensors)
+    inputs = user + tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
+    inputs += tuple(b.detach() for b in buffers)
+    n_user, n_all = len(user), len(inputs)
+    dynamic_shapes = None
+    if dynamic:
+        auto = torch.export.Dim.AUTO
+        dynamic_shapes = (tuple({d: auto for d in range(min(t.dim(), 1) if batch_only else t.dim())}
+                                for t in user) + (None,) * (n_all - n_user),)
+    try:
+        with warnings.catch_warnings(), torch.enable_grad():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as exc:
+        trap = wrapper.watch.failure()
+        if trap is not None:
+            raise ExportError(f"{name}: {trap}") from exc
+        raise ExportError(f"torch.export could not capture {name}: {type(exc).__name__}: {_first_line(exc)}") from exc
+    wrapper.restore()
+    trap = wrapper.watch.failure()
+    if trap is not None:
+        raise ExportError(f"{name}: {trap}")
+    if wrapper.output_spec is None:
+        raise ExportError(f"{name}.forward was not traced")
+    try:
+        ep = _prepare(ep, registry)
+    except Exception as exc:
+        raise ExportError(f"decomposing {name}'s exported program failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)}") from exc
+    _refuse_mutated_inputs(ep, name, n_user, param_names)
+    guard = _shape_guard(ep, n_user, n_all) if dynamic else None
+    masks = tuple(wrapper.semantics.masks)
+    if dynamic:
+        resolved = _mask_dims(wrapper.semantics, guard, n_user)
+        if resolved is None:  # a mask sized by an expression of the input sizes: one graph per shape
+            return export_program(module, flat, params, param_names, buffers, buffer_names, opset=opset)
+        masks = resolved
+    model = _translate(ep, registry, name, n_user, param_names, buffer_names)
+    masks_to_inputs(model, list(masks), mask_name, dynamic)
+    mark_stop_gradients(model)
+    for node in model.graph.node:
+        path = _module_path(node)
+        keep = [p for p in node.metadata_props if p.key not in _DROP_METADATA]
+        del node.metadata_props[:]
+        node.metadata_props.extend(keep)
+        if path is not None:
+            node.metadata_props.add(key=MODULE_PATH_KEY, value=path)
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    return ExportedModel(
+        model=model,
+        output_spec=wrapper.output_spec,
+        num_user_outputs=wrapper.num_user_outputs,
+        mutated_buffers=wrapper.mutated,
+        opset=opset,
+        masks=masks,
+        dynamic=dynamic,
+        batch_only=dynamic and batch_only,
+        input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
+        guard=guard,
+        frontend="export",
+    )
+
+
+class _Captured(_Flat):
+    """The flat wrapper, keeping what its forward learns: torch.export puts back the attributes of
+    the module it captures after the trace (containers included), so they go to a sink function."""
+
+    _KEPT = ("output_spec", "num_user_outputs", "mutated", "semantics", "forward_error")
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        record: dict = {}
+        self._sink = record.update
+        self._read = lambda: dict(record)
+
+    def forward(self, *tensors: torch.Tensor):
+        try:
+            return super().forward(*tensors)
+        finally:
+            self._sink({k: getattr(self, k) for k in self._KEPT})
+
+    def restore(self) -> None:
+        for k, v in self._read().items():
+            object.__setattr__(self, k, v)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _refuse_mutated_inputs(ep, name: str, n_user: int, param_names) -> None:
+    mutated = set(ep.graph_signature.user_inputs_to_mutate.values())
+    if not mutated:
+        return
+    order = list(ep.graph_signature.user_inputs)
+    positions = sorted(order.index(m) for m in mutated if m in order)
+    params = [param_names[p - n_user][0] for p in positions if p >= n_user]
+    if params:
+        raise ExportError(
+            f"{name}.forward modifies parameter {params[0]!r} in place (e.g. an EMA / momentum-encoder update): "
+            "a graph run cannot write parameters. Update it outside forward (after optimizer.step()) to keep "
+            "the module in ONNX Runtime"
+        )
+    raise ExportError(
+        f"{name}.forward modifies its input tensor(s) {[p for p in positions if p < n_user]} (positions among "
+        "the tensors of the call) in place: eager PyTorch changes the caller's tensor, a graph run cannot. "
+        "Write `x = x * 2` instead of `x.mul_(2)` to keep it in ONNX Runtime"
+    )
+
+
+def _prepare(ep, registry):
+    """torch.onnx's preparation, decomposing only the ops torchlib has no translation for.
+
+    # NOTE [export time]: torch.onnx re-traces the whole program through every decomposition that
+    # applies (BERT-4L: ~2 s of a ~4.5 s export). Training-IR ops torchlib translates directly
+    # (linear, layer_norm, embedding, sdpa ...) need none, so the program is re-traced only when an
+    # op without a translation is present, with the decompositions of those ops alone.
+    """
+    from torch.onnx._internal.exporter import _decomp, _fx_passes
+
+    ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
+    registered = set(_decomp.get_onnx_implemented_overloads(registry))
+    targets = {n.target for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    missing = targets - registered
+    # NOTE [functional graphs]: the training IR keeps in-place ops (``mul_``, ``copy_``); ONNX is
+    # functional, so a value read after an in-place write would read the old value. Any mutation
+    # makes the program go through torch's functionalization (with the decompositions it needs).
+    mutating = any(op._schema.is_mutable for op in targets)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        if missing or mutating:
+            table = _decomp.create_onnx_friendly_decomposition_table(registered)
+            ep = ep.run_decompositions({op: fn for op, fn in table.items() if op in missing})
+            left = {n.target for n in ep.graph.nodes if n.op == "call_function"
+                    and isinstance(n.target, torch._ops.OpOverload)} - registered
+            if left & set(table):  # decompositions that produce ops needing their own
+                ep = ep.run_decompositions(table)
+            ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
+        _fx_passes.insert_type_promotion_nodes(ep.graph_module)
+    return ep
+
+
+def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) -> onnx.ModelProto:
+    import onnx_ir as ir
+    import onnxscript
+    from torch.onnx._internal.exporter import _core
+
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(None):
+            warnings.simplefilter("ignore")
+            program = _core._exported_program_to_onnx_program(ep, registry=registry).model
+            # torchlib writes opset 18 with a few newer ops (Gelu-20) and local functions: inline
+            # them, fold what is constant, then state the opset the graph uses (NOTE [torch.export
+            # front end]).
+            onnxscript.optimizer.optimize_ir(program)
+            program = onnxscript.version_converter.convert_version(program, OPSET) or program
+    except Exception as exc:
+        raise ExportError(f"translating {name}'s exported program to ONNX failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)}") from exc
+    names = [input_name(i) for i in range(n_user)]
+    names += [n[0] for n in param_names] + [n[0] for n in buffer_names]
+    renames = dict(zip(ep.graph_signature.user_inputs, names))
+    graph = program.graph
+    for value in graph.inputs:
+        if value.name not in renames:
+            raise ExportError(f"translating {name}: graph input {value.name!r} is not one of the flat tensors")
+        value.name = renames[value.name]
+    for i, value in enumerate(graph.outputs):
+        if value.name in names:  # an input returned as is: give the output its own name
+            ident = ir.node("Identity", [value])
+            graph.append(ident)
+            ident.outputs[0].name = f"output:{i}"
+            ident.outputs[0].dtype, ident.outputs[0].shape = value.dtype, value.shape
+            graph.outputs[i] = ident.outputs[0]
+    return ir.serde.serialize_model(program)

@@ -1,0 +1,229 @@
+"""The torch.export front end (``frontend="export"``, NOTE [torch.export front end]): training
+semantics at parity with eager, symbolic shapes served under their guards, and the patterns that
+must fall back naming the cause instead of baking a value."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortmodule import ORTModule
+from ortmodule.export.program import ShapeGuard
+
+from .helpers import assert_close
+
+
+def _export(model: nn.Module, **kwargs) -> ORTModule:
+    return ORTModule(model, frontend="export", **kwargs)
+
+
+def _grads_match(ort: nn.Module, eager: nn.Module, rtol: float = 1e-5) -> None:
+    for (name, pe), (_, po) in zip(eager.named_parameters(), ort.named_parameters()):
+        if pe.grad is None:
+            assert po.grad is None, name
+        else:
+            assert_close(po.grad, pe.grad, rtol, f"{name}.grad")
+
+
+class BnDropNet(nn.Module):
+    """BatchNorm on batch statistics, dropout, a no_grad block and a detach: the training semantics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = F.dropout(F.relu(self.bn(self.l1(x))), 0.2, self.training)
+        with torch.no_grad():
+            scale = h.abs().mean()
+        return self.l2(h).detach() * scale + self.l2(h)
+
+
+def test_training_semantics_match_eager_over_batch_sizes_with_one_export():
+    torch.manual_seed(0)
+    eager = BnDropNet()
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    # SGD, not Adam: l1.bias's true gradient is ~0 under the BatchNorm, and Adam would turn its
+    # rounding noise into steps of +-lr (NOTE [relative error] in helpers.py).
+    opt_e, opt_o = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, ort))
+    for step, batch in enumerate((64, 64, 48, 17)):
+        x = torch.randn(batch, 8)
+        outs = []
+        for m, opt in ((eager, opt_e), (ort, opt_o)):
+            opt.zero_grad()
+            torch.manual_seed(step)  # the same dropout masks: drawn by torch in eager order
+            out = m(x)
+            out.square().mean().backward()
+            outs.append(out)
+        assert_close(outs[1], outs[0], 1e-5, f"output at step {step}")
+        _grads_match(ort, eager)
+        opt_e.step()
+        opt_o.step()
+        for (name, be), (_, bo) in zip(eager.named_buffers(), ort.named_buffers()):
+            if be.is_floating_point():
+                assert_close(bo, be, 1e-5, f"buffer {name}")
+            else:
+                assert torch.equal(bo, be), name
+    assert ort.stats.exports == 1 and ort.stats.fallbacks == 0  # batch 48 and 17: the same graph
+
+
+def test_no_legacy_exporter_deprecation_warning():
+    model = _export(BnDropNet(), fallback="raise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(16, 8)).sum().backward()
+    legacy = [w for w in caught if "TorchScript-based ONNX export" in str(w.message)]
+    assert not legacy, legacy[0].message
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[1] > 5:  # Python reads a size: torch.export records a guard
+            return self.lin(x[:, :5]).sum(1)
+        return self.lin(x).sum(1) * 2
+
+
+def test_shape_dependent_branch_gets_its_own_graph_and_reuses_under_its_guard():
+    torch.manual_seed(0)
+    eager = ShapeBranch()
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    for seq, exports in ((7, 1), (4, 2), (9, 2), (3, 2), (6, 2)):
+        x = torch.randn(2, seq, 4)
+        for m in (eager, ort):
+            m.zero_grad()
+        ye, yo = eager(x), ort(x)
+        ye.sum().backward()
+        yo.sum().backward()
+        assert_close(yo, ye, 1e-6, f"output at seq {seq}")
+        _grads_match(ort, eager)
+        assert ort.stats.exports == exports, (seq, ort.stats)
+    guards = [e.guard for e in ort._dynamic._data.values() for e in e.guarded]
+    assert all(isinstance(g, ShapeGuard) for g in guards) and len(guards) == 2
+
+
+def test_guard_checks_ranges_equalities_and_torch_guards():
+    guard = ShapeGuard(dims=(("s0", "s1"), ("s0", 3)), fixed=((4, 8), (4, 3)),
+                       ranges=(("s0", 2, None), ("s1", 2, 64)), code=("L['tensors'][0].size()[1] > 5",))
+    assert guard.covers([(9, 6), (9, 3)])
+    assert not guard.covers([(9, 6), (8, 3)])  # s0 must agree
+    assert not guard.covers([(9, 6), (9, 4)])  # a fixed dim
+    assert not guard.covers([(1, 6), (1, 3)])  # below the range (0/1 specialisation)
+    assert not guard.covers([(9, 65), (9, 3)])  # above the range
+    assert not guard.covers([(9, 5), (9, 3)])  # torch.export's own guard
+
+
+class ItemBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.mean().item() > 0:  # data-dependent Python: must never be baked
+            return y * 2
+        return -y
+
+
+def test_item_branch_falls_back_naming_the_cause():
+    torch.manual_seed(0)
+    eager = ItemBranch()
+    ort = _export(copy.deepcopy(eager))
+    with pytest.warns(UserWarning, match="falls back"):
+        out = ort(torch.randn(3, 4))
+    assert ort.stats.fallbacks == 1
+    reason = ort.stats.last_fallback_reason
+    assert "data-dependent" in reason or "item" in reason, reason
+    for x in (torch.randn(3, 4) + 5, torch.randn(3, 4) - 5):  # both branches, as eager takes them
+        assert torch.equal(ort(x), eager(x))
+    del out
+
+
+class Ste(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class SteNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Ste.apply(self.lin(x))
+
+
+def test_custom_function_falls_back_naming_the_class():
+    ort = _export(SteNet())
+    with pytest.warns(UserWarning, match="Ste"):
+        ort(torch.randn(3, 4)).sum().backward()
+    assert ort.stats.fallbacks == 1 and "autograd.Function" in ort.stats.last_fallback_reason
+    assert ort.module.lin.weight.grad is not None and ort.module.lin.weight.grad.abs().sum() > 0
+
+
+class MutatesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+class MutatesParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(0.5)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("model, what", [(MutatesInput, "input"), (MutatesParam, "parameter 'lin.weight'")])
+def test_in_place_writes_to_inputs_and_parameters_fall_back(model, what):
+    torch.manual_seed(0)
+    eager = model()
+    ort = _export(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    xe, xo = x.clone(), x.clone()
+    with pytest.warns(UserWarning, match="in place"):
+        yo = ort(xo)
+    assert what in ort.stats.last_fallback_reason
+    assert torch.equal(yo, eager(xe)) and torch.equal(xo, xe)  # mutated once, like eager
+    assert torch.equal(ort.module.lin.weight, eager.lin.weight)
+
+
+def test_module_path_reaches_error_messages():
+    class Inner(nn.Module):
+        def forward(self, x):
+            return torch.linalg.det(x)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.block = nn.Sequential(nn.Identity(), Inner())
+
+        def forward(self, x):
+            return self.block(self.lin(x))
+
+    ort = _export(Outer())
+    with pytest.warns(UserWarning, match="falls back"):
+        ort(torch.randn(2, 3, 3)).sum().backward()
+    assert "block.1" in ort.stats.last_fallback_reason, ort.stats.last_fallback_reason
