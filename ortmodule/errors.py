@@ -19,6 +19,12 @@ class ExportError(ORTModuleError):
     """The module could not be exported to ONNX."""
 
 
+class CaptureError(ExportError):
+    """The capture failed inside the module's own forward, for a reason that may be the user's
+    (a wrong input shape) or the capture's (an op without a fake kernel): the eager forward
+    decides. Raising, it gives the user eager PyTorch's own error; returning, it is the fallback."""
+
+
 class GradientRuleError(ORTModuleError):
     """No gradient rule exists for an op, or a rule failed."""
 
@@ -87,3 +93,16 @@ def user_location() -> str:
             return f"{f}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "an unknown place"
+
+
+def traceback_location(tb) -> str | None:
+    """``file:line in function`` of the innermost user frame of a traceback (outside torch and
+    ortmodule), or None."""
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        f = code.co_filename
+        if not (_in_torch_or_ortmodule(f) or f.startswith("<") or "contextlib" in f):
+            found = f"{f}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return found

@@ -17,7 +17,7 @@ import psutil
 import torch
 from torch import nn
 
-from .errors import ExportError, GradientRuleError, ORTModuleError, user_stacklevel
+from .errors import CaptureError, ExportError, GradientRuleError, ORTModuleError, user_stacklevel
 from .export import export_module
 from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
@@ -240,12 +240,14 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         flat = flatten_inputs(args, kwargs)
-        params, param_names, buffers, buffer_names = module_state(module)
-        modes, guard = snapshot(module)
-        layout = tuple(n for group in param_names + buffer_names for n in group)
-        sig = make_signature(flat, params, buffers, layout, modes, _autocast_state())
-        needs_grad = sig.grad_enabled and any(s.requires_grad for s in sig.inputs + sig.params)
         with self._lock:
+            # Read under the lock: torch.export puts fake tensors in the module's parameters while
+            # another thread captures it (NOTE [one capture at a time] in export/program.py).
+            params, param_names, buffers, buffer_names = module_state(module)
+            modes, guard = snapshot(module)
+            layout = tuple(n for group in param_names + buffer_names for n in group)
+            sig = make_signature(flat, params, buffers, layout, modes, _autocast_state())
+            needs_grad = sig.grad_enabled and any(s.requires_grad for s in sig.inputs + sig.params)
             if guard != self._guard:  # NOTE [module guards]
                 change = None if self._exported_guard is None else find_change(module, self._exported_guard, guard)
                 if change is not None:
@@ -258,8 +260,9 @@ class ORTModule(nn.Module):
             if entry is None:
                 entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
                                                   needs_grad)
-                self._stats.cache_misses += 1  # counted once built or fallen back: a call that raised is none
-                self._entries.put(sig, entry)
+                if not isinstance(entry, CaptureError):
+                    self._stats.cache_misses += 1  # counted once built or fallen back: a call that raised is none
+                    self._entries.put(sig, entry)
                 # The trace ran the forward, which may set attributes (caches, counters): the graph
                 # stands for the module as the trace left it.
                 self._guard = self._exported_guard = snapshot(module)[1]
@@ -267,6 +270,15 @@ class ORTModule(nn.Module):
                 self._stats.cache_hits += 1
                 if self._stats.cache_hits % 64 == 0:  # psutil costs ~20 us: sample, don't poll
                     self._stats.update_rss()
+        if isinstance(entry, CaptureError):
+            # The capture failed in the module's forward: eager decides (NOTE [user errors]). Its
+            # error is the user's, raised as is; if it runs, the capture alone failed: fall back.
+            out = module(*args, **kwargs)
+            with self._lock:
+                self._stats.cache_misses += 1
+                self._entries.put(sig, self._fall_back(entry))
+                self._guard = self._exported_guard = snapshot(module)[1]
+            return out
         if entry is _FALLBACK:
             out = module(*args, **kwargs)
             # What the eager forward itself changed is no change.
@@ -312,24 +324,30 @@ class ORTModule(nn.Module):
                     "scalars/strings/None, or tuples, lists, dicts and dataclasses of them"
                 )
             entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
+        except CaptureError as exc:
+            return exc  # the eager forward decides (see forward)
         except (ExportError, GradientRuleError) as exc:
-            if self._options.fallback is FallbackPolicy.RAISE:
-                raise
-            self._stats.fallbacks += 1
-            self._stats.last_fallback_reason = str(exc)
-            key = f"{type(exc).__name__}: {exc}"
-            if key not in self._warned:
-                self._warned.add(key)
-                warnings.warn(
-                    f"ORTModule falls back to eager PyTorch for {type(self.module).__name__}: {key} "
-                    "(set fallback='raise' or ORTMODULE_FALLBACK=raise to make this an error)",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
-                )
-            self._stats.update_rss()
-            return _FALLBACK
+            return self._fall_back(exc)
         self._stats.update_rss()
         return entry
+
+    def _fall_back(self, exc: ORTModuleError):
+        """Record a fallback (one warning per cause), or raise ``exc`` under fallback='raise'."""
+        if self._options.fallback is FallbackPolicy.RAISE:
+            raise exc
+        self._stats.fallbacks += 1
+        self._stats.last_fallback_reason = str(exc)
+        key = f"{type(exc).__name__}: {exc}"
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(
+                f"ORTModule falls back to eager PyTorch for {type(self.module).__name__}: {key} "
+                "(set fallback='raise' or ORTMODULE_FALLBACK=raise to make this an error)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        self._stats.update_rss()
+        return _FALLBACK
 
     def _compile(self, sig, flat, params, param_names, buffers, buffer_names, needs_grad) -> CompiledEntry:
         args = (flat, params, param_names, buffers, buffer_names)

@@ -227,3 +227,52 @@ def test_module_path_reaches_error_messages():
     with pytest.warns(UserWarning, match="falls back"):
         ort(torch.randn(2, 3, 3)).sum().backward()
     assert "block.1" in ort.stats.last_fallback_reason, ort.stats.last_fallback_reason
+
+
+class NllMinusSum(nn.Module):
+    """Two gradients into one log-softmax, one through an unreduced NLL (NOTE [trusted shapes])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 5)
+
+    def forward(self, x, y):
+        lp = F.log_softmax(self.head(x), 1)
+        return F.nll_loss(lp, y, reduction="none") - 0.1 * lp.sum(1)
+
+
+def test_unreduced_nll_beside_a_sum_gets_eager_gradients():
+    torch.manual_seed(0)
+    eager = NllMinusSum()
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    x, y, g = torch.randn(64, 3), torch.randint(0, 5, (64,)), torch.randn(64)
+    eager(x, y).backward(g)
+    ort(x, y).backward(g)
+    _grads_match(ort, eager)
+
+
+def test_wrong_input_raises_the_eager_error_and_the_module_keeps_working():
+    ort = _export(nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        ort(torch.randn(3, 5))
+    assert ort.stats.fallbacks == 0 and ort.stats.exports == 0
+    out = ort(torch.randn(3, 4))
+    assert out.shape == (3, 2) and ort.stats.fallbacks == 0 and ort.stats.exports == 1
+
+
+class AtenIndexAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, idx):
+        return torch.ops.aten.index_add(torch.zeros(3, 4), 0, idx, self.lin(x))
+
+
+def test_an_accumulating_scatternd_falls_back():
+    """torchlib writes the decomposed aten.index_add as ScatterND(add), which races (NOTE [exact scatters])."""
+    ort = _export(AtenIndexAdd())
+    x, idx = torch.randn(4096, 4), torch.zeros(4096, dtype=torch.long)
+    with pytest.warns(UserWarning, match="ScatterND"):
+        out = ort(x, idx)
+    assert torch.equal(out, ort.module(x, idx))

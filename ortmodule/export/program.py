@@ -27,7 +27,7 @@ import onnx
 import torch
 from torch import nn
 
-from ..errors import MODULE_PATH_KEY, ExportError
+from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
 from ..io import FlatInputs
 from .semantics import define_mask_op, mark_stop_gradients, masks_to_inputs
 from .torchscript import (
@@ -42,6 +42,7 @@ from .traps import TraceWatch, backward_hook_failure
 
 OPSET = 20
 _lock = threading.Lock()
+_capture_lock = threading.RLock()
 _registry = None
 
 
@@ -92,10 +93,13 @@ def onnx_registry():
             if not training:
                 return op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps,
                                              momentum=onnx_momentum)
-            # Training mode: Y reads the batch statistics only; the stat inputs are placeholders
-            # where the module keeps none (NOTE [batchnorm stats]: ours are explicit updates).
-            mean = op.Expand(zero, channels) if running_mean is None else running_mean
-            var = op.Expand(one, channels) if running_var is None else running_var
+            # Training mode: Y reads the batch statistics only. They are the stat inputs, written as
+            # the TorchScript exporter's batch mean and biased variance so that the batch-stats pass
+            # makes this the affine node the gradient reuses them from (NOTE [batch-stats BN]).
+            axes = op.Constant(value_ints=[0, *range(2, len(input.shape))])
+            mean = op.ReduceMean(input, axes, keepdims=0)
+            centred = op.Sub(input, op.ReduceMean(input, axes, keepdims=1))
+            var = op.ReduceMean(op.Mul(centred, centred), axes, keepdims=0)
             y, _, _ = op.BatchNormalization(input, weight, bias, mean, var, epsilon=eps, momentum=onnx_momentum,
                                             training_mode=1)
             return y
@@ -298,14 +302,18 @@ def export_program(
         dynamic_shapes = (tuple({d: auto for d in range(min(t.dim(), 1) if batch_only else t.dim())}
                                 for t in user) + (None,) * (n_all - n_user),)
     try:
-        with warnings.catch_warnings(), torch.enable_grad():
+        # NOTE [one capture at a time]: while torch.export traces, the module's parameters are fake
+        # tensors and some torch functions are patched process-wide; captures are serialised, and
+        # ORTModule.forward reads the module's state under its lock.
+        with _capture_lock, warnings.catch_warnings(), torch.enable_grad():
             warnings.simplefilter("ignore")
             ep = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
+        wrapper.restore()
         trap = wrapper.watch.failure()
         if trap is not None:
             raise ExportError(f"{name}: {trap}") from exc
-        raise ExportError(f"torch.export could not capture {name}: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise _capture_error(name, exc, wrapper.forward_error is not None) from exc
     wrapper.restore()
     trap = wrapper.watch.failure()
     if trap is not None:
@@ -313,7 +321,9 @@ def export_program(
     if wrapper.output_spec is None:
         raise ExportError(f"{name}.forward was not traced")
     try:
-        ep = _prepare(ep, registry)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own deprecation warnings inside the re-trace
+            ep = _prepare(ep, registry)
     except Exception as exc:
         raise ExportError(f"decomposing {name}'s exported program failed: {type(exc).__name__}: "
                           f"{_first_line(exc)}") from exc
@@ -335,7 +345,9 @@ def export_program(
         node.metadata_props.extend(keep)
         if path is not None:
             node.metadata_props.add(key=MODULE_PATH_KEY, value=path)
-    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    _refuse_racing_scatters(model, name)
+    model = _own_batch_norm_stats(model)
+    model = _reinfer_shapes(model)
     return ExportedModel(
         model=model,
         output_spec=wrapper.output_spec,
@@ -374,9 +386,131 @@ class _Captured(_Flat):
             object.__setattr__(self, k, v)
 
 
+def _reinfer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference decides every value's shape; torch.onnx's annotations only name dims it
+    left unknown.
+
+    # NOTE [trusted shapes]: the translator annotates values from the FX node's metadata, and that
+    # can be wrong: an ``aten.nll_loss_forward`` returns (loss, total_weight) and its [N] loss came
+    # out annotated as a scalar, so the gradient of ``nll - x`` summed the incoming gradient over
+    # the batch (a silently wrong gradient). Gradient rules read ranks and sizes, so the annotations
+    # are dropped and the shapes inferred again by onnx; where both know a value with the same rank,
+    # a dim onnx left unknown takes torch's symbolic name or size.
+    """
+    torch_shapes = {vi.name: vi.type.tensor_type.shape for vi in [*model.graph.value_info, *model.graph.output]
+                    if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    del model.graph.value_info[:]
+    for out in model.graph.output:
+        if out.type.HasField("tensor_type"):
+            out.type.tensor_type.ClearField("shape")
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    for vi in [*model.graph.value_info, *model.graph.output]:
+        theirs = torch_shapes.get(vi.name)
+        if theirs is None or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        ours = vi.type.tensor_type.shape
+        if len(ours.dim) != len(theirs.dim):
+            continue
+        for d, t in zip(ours.dim, theirs.dim):
+            if not d.HasField("dim_value") and not d.HasField("dim_param"):
+                d.CopyFrom(t)
+    return model
+
+
+def _data_dependent_types() -> tuple[type, ...]:
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    return tuple(t for t in (
+        getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),
+        getattr(fake_tensor, "DataDependentOutputException", None),
+        getattr(fake_tensor, "DynamicOutputShapeException", None),
+    ) if t is not None)
+
+
+def _capture_error(name: str, exc: Exception, in_forward: bool) -> ExportError:
+    """The fallback reason for a failed capture, naming the user's line where the trace shows it."""
+    where = traceback_location(exc.__traceback__)
+    at = f" at {where}" if where else ""
+    if isinstance(exc, _data_dependent_types()):
+        return ExportError(
+            f"{name}.forward reads tensor values into Python{at} (data-dependent: {_first_line(exc)}): a graph "
+            "would keep the value of the traced call for every later call. Keep the computation in tensor ops "
+            "(e.g. torch.where instead of `if`), or run this module eagerly"
+        )
+    text = f"torch.export could not capture {name}{at}: {type(exc).__name__}: {_first_line(exc)}"
+    return CaptureError(text) if in_forward else ExportError(text)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
+
+
+def _own_batch_norm_stats(model: onnx.ModelProto) -> None:
+    """NOTE [no writes into inputs] (semantics.py): ORT's training BatchNormalization may write its
+    running-stat outputs into its running-stat inputs. Ours are placeholders (Y reads the batch
+    statistics), but constant folding made them the very initializers an affine-less BN's scale and
+    bias are (ones and zeros): the write changed the bias. Each training BN gets stat inputs of its
+    own, computed from the input so that no pass folds them into shared constants again. Those fed
+    the batch statistics become inference-mode nodes first (NOTE [batch-stats BN]), which write nothing."""
+    import onnx_ir as ir
+
+    from ..passes import batch_stats_batch_norm
+
+    program = ir.serde.deserialize_model(model)
+    if batch_stats_batch_norm(program.graph):
+        model = ir.serde.serialize_model(program)
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    shared = {t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
+    shared |= {o.name for o in model.graph.output}
+    extra = []
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or not any(a.name == "training_mode" and a.i for a in node.attribute):
+            extra.append(node)
+            continue
+        if all(n not in shared and readers.get(n) == 1 for n in node.input[3:5]):
+            extra.append(node)  # computed for this node alone: it may write them
+            continue
+        x, base = node.input[0], node.name or node.output[0]
+        mean, var = f"{base}/stat_mean", f"{base}/stat_var"
+        zero = f"{base}/stat_zero"
+        # mean = scale * 0 + 0 per channel, var = mean + 1: [C] values no constant folding can share
+        extra.append(onnx.helper.make_node("Mul", [node.input[1], _scalar(model, zero, 0.0, x)], [mean],
+                                           name=f"{base}/StatMean"))
+        extra.append(onnx.helper.make_node("Add", [mean, _scalar(model, f"{base}/stat_one", 1.0, x)], [var],
+                                           name=f"{base}/StatVar"))
+        node.input[3], node.input[4] = mean, var
+        extra.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(extra)
+    return model
+
+
+def _scalar(model: onnx.ModelProto, name: str, value: float, like: str) -> str:
+    elem = next((vi.type.tensor_type.elem_type for vi in [*model.graph.value_info, *model.graph.input]
+                 if vi.name == like), onnx.TensorProto.FLOAT)
+    model.graph.initializer.append(onnx.helper.make_tensor(name, elem, [], [value]))
+    return name
+
+
+def _refuse_racing_scatters(model: onnx.ModelProto, name: str) -> None:
+    """NOTE [exact scatters]: onnxruntime's CPU ScatterND(add) races on repeated indices, and torchlib
+    writes ``index_put(accumulate=True)`` (and what decomposes to it, ``index_add``) with it. Our own
+    rewrites route the usual calls to ScatterElements; any other route falls back, loudly."""
+    for node in model.graph.node:
+        if node.op_type == "ScatterND" and any(a.name == "reduction" and a.s not in (b"", b"none")
+                                               for a in node.attribute):
+            path = next((p.value for p in node.metadata_props if p.key == MODULE_PATH_KEY), None)
+            where = f" (from torch module {path!r})" if path else ""
+            raise ExportError(
+                f"{name}: the graph accumulates with ScatterND{where}, which onnxruntime computes wrongly "
+                "with duplicated values (indices) on more than one thread; use index_add / index_put on "
+                "tensors (rewritten to an exact scatter) or torch.Tensor.scatter_add"
+            )
 
 
 def _refuse_mutated_inputs(ep, name: str, n_user: int, param_names) -> None:
@@ -418,8 +552,12 @@ def _prepare(ep, registry):
     # functional, so a value read after an in-place write would read the old value. Any mutation
     # makes the program go through torch's functionalization (with the decompositions it needs).
     mutating = any(op._schema.is_mutable for op in targets)
+    # NOTE [autocast capture]: the training IR is traced above the Autocast dispatch key, so an
+    # autocast region of the caller leaves no casts in it (while the traced values are half
+    # precision); the re-trace below the key writes them.
+    autocast = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        if missing or mutating:
+        if missing or mutating or autocast:
             table = _decomp.create_onnx_friendly_decomposition_table(registered)
             ep = ep.run_decompositions({op: fn for op, fn in table.items() if op in missing})
             left = {n.target for n in ep.graph.nodes if n.op == "call_function"

@@ -383,6 +383,8 @@ def rewrite(func, args, kwargs):
         a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
         if func in (torch.Tensor.__rfloordiv__,):
             a, b = b, a
+        if not isinstance(a, torch.Tensor):  # ``7 // t``: torchlib's div takes tensors only
+            a = torch.as_tensor(a, dtype=torch.result_type(a, b), device=b.device)
         out = torch.div(a, b, rounding_mode="floor")
         if func in (torch.Tensor.__ifloordiv__, torch.Tensor.floor_divide_):
             return args[0].copy_(out)
