@@ -260,7 +260,7 @@ class ORTModule(nn.Module):
             if entry is None:
                 entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
                                                   needs_grad)
-                if not isinstance(entry, CaptureError):
+                if not isinstance(entry, ORTModuleError):
                     self._stats.cache_misses += 1  # counted once built or fallen back: a call that raised is none
                     self._entries.put(sig, entry)
                 # The trace ran the forward, which may set attributes (caches, counters): the graph
@@ -270,9 +270,10 @@ class ORTModule(nn.Module):
                 self._stats.cache_hits += 1
                 if self._stats.cache_hits % 64 == 0:  # psutil costs ~20 us: sample, don't poll
                     self._stats.update_rss()
-        if isinstance(entry, CaptureError):
-            # The capture failed in the module's forward: eager decides (NOTE [user errors]). Its
-            # error is the user's, raised as is; if it runs, the capture alone failed: fall back.
+        if isinstance(entry, ORTModuleError):
+            # Nothing could be compiled: the eager forward decides (NOTE [user errors]). An error it
+            # raises is the user's (a wrong input), raised as eager raises it, and no fallback; if it
+            # runs, this signature falls back, with one warning naming the cause.
             out = module(*args, **kwargs)
             with self._lock:
                 self._stats.cache_misses += 1
@@ -324,10 +325,10 @@ class ORTModule(nn.Module):
                     "scalars/strings/None, or tuples, lists, dicts and dataclasses of them"
                 )
             entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
-        except CaptureError as exc:
-            return exc  # the eager forward decides (see forward)
         except (ExportError, GradientRuleError) as exc:
-            return self._fall_back(exc)
+            if self._options.fallback is FallbackPolicy.RAISE and not isinstance(exc, CaptureError):
+                raise
+            return exc  # the eager forward decides (see forward)
         self._stats.update_rss()
         return entry
 

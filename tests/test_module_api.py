@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import re
 import threading
 import warnings
 from typing import NamedTuple
@@ -20,7 +21,7 @@ from torch import nn
 import ortmodule
 from ortmodule import DebugOptions, ExportError, ORTModule
 
-from .helpers import CallCounter, NoRule, NoSymbolic, assert_close
+from .helpers import TORCH_EXPORT, CallCounter, NoRule, NoSymbolic, assert_close, by_frontend
 
 
 def seeded(fn):
@@ -506,7 +507,7 @@ def test_cache_hits_and_new_shapes():
         x = torch.randn(b, 4)
         assert_close(wrapped(x), eager(x), 1e-6, f"batch {b}")
     assert wrapped.stats.cache_misses == 3 and wrapped.stats.cache_hits == 2
-    assert wrapped.stats.exports == 2  # batch 5 reuses the verified graph without exporting
+    assert wrapped.stats.exports == by_frontend(2, 1)  # batch 5 reuses the verified graph without exporting
 
 
 def test_dynamic_shapes_share_one_graph():
@@ -521,7 +522,7 @@ def test_dynamic_shapes_share_one_graph():
         oo.square().sum().backward()
         check_grads(eager, wrapped)
     s = wrapped.stats
-    assert s.exports == 2, "first shape + one verification export"
+    assert s.exports == by_frontend(2, 1), "first shape + one verification export (guards: none)"
     assert s.gradient_builds == 1 and len(wrapped._built) == 1
 
 
@@ -541,7 +542,9 @@ def test_shape_specialised_graph_gets_one_export_per_shape():
     for b in (2, 3, 5, 3):
         x = torch.randn(b, 4)
         assert_close(wrapped(x), eager(x), 1e-6, f"batch {b}")
-    assert wrapped.stats.exports == 3 and wrapped._dynamic.get(next(iter(wrapped._dynamic._data))).static
+    assert wrapped.stats.exports == 3
+    dyn = wrapped._dynamic.get(next(iter(wrapped._dynamic._data)))
+    assert dyn.static or len(dyn.guarded) == 3  # one graph per batch size either way
 
 
 def test_dynamic_shapes_with_dropout_masks():
@@ -554,7 +557,7 @@ def test_dynamic_shapes_with_dropout_masks():
         torch.manual_seed(b)
         oo = wrapped(x)
         assert_close(oo, oe, 1e-6, f"batch {b}")
-    assert wrapped.stats.exports == 2
+    assert wrapped.stats.exports == by_frontend(2, 1)
 
 
 def test_cache_is_bounded_lru():
@@ -653,7 +656,7 @@ def test_train_eval_no_grad_switch():
 
 
 # -- fallback, explain ----------------------------------------------------------------------------
-@pytest.mark.parametrize("cls,expect", [(NoSymbolic, "fft"), (NoRule, "Det")])
+@pytest.mark.parametrize("cls,expect", [(NoSymbolic, NoSymbolic.MATCH), (NoRule, "Det")])
 def test_fallback_warns_once_and_matches_eager(cls, expect):
     eager, wrapped = both(seeded(cls))
     x = torch.randn(2, 3, 3) if cls is NoRule else torch.randn(2, 8)
@@ -667,7 +670,7 @@ def test_fallback_warns_once_and_matches_eager(cls, expect):
     assert_close(out2, eager(x), 1e-6, "fallback output")
     out2.sum().backward()
     assert wrapped.module.lin.weight.grad is not None if cls is NoSymbolic else True
-    assert wrapped.stats.fallbacks == 1 and expect in wrapped.stats.last_fallback_reason
+    assert wrapped.stats.fallbacks == 1 and re.search(expect, wrapped.stats.last_fallback_reason)
 
 
 def test_graph_onnxruntime_cannot_load_falls_back():
@@ -695,7 +698,7 @@ def test_missing_rule_message_names_op_node_and_module():
 def test_policy_raise_from_env(monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK", "raise")
     wrapped = ORTModule(seeded(NoSymbolic))
-    with pytest.raises(ExportError, match="fft"):
+    with pytest.raises((ExportError, ortmodule.GradientRuleError), match=NoSymbolic.MATCH):
         wrapped(torch.randn(2, 8))
     with pytest.raises(ValueError, match="fallback policy"):
         ORTModule(nn.Linear(2, 2), fallback="sometimes")
@@ -731,7 +734,10 @@ def test_explain_reports_ops_and_missing_rules():
     assert bad.would_fall_back and [m.op_type for m in bad.missing_rules] == ["Det"]
     assert "Det" in str(bad) and "Det" in bad.fallback_reason
     failed = ortmodule.explain(seeded(NoSymbolic), torch.randn(2, 8))
-    assert not failed.exports and "fft" in failed.export_error and "FAILED" in str(failed)
+    if TORCH_EXPORT:  # DFT exports, and has no gradient rule
+        assert failed.exports and failed.would_fall_back and "DFT" in failed.fallback_reason
+    else:
+        assert not failed.exports and "fft" in failed.export_error and "FAILED" in str(failed)
 
 
 def test_explain_does_not_change_state():
@@ -777,7 +783,7 @@ def test_stats():
     wrapped(torch.randn(5, 4))
     s = wrapped.stats
     # the second shape is exported once more to verify the graph is shape-generic, then shares it
-    assert s.exports == 2 and s.reexports == 1 and s.gradient_builds == 1
+    assert s.exports == by_frontend(2, 1) and s.reexports == by_frontend(1, 0) and s.gradient_builds == 1
     assert s.cache_hits == 2 and s.cache_misses == 2 and s.fallbacks == 0
     assert s.export_s > 0 and s.gradient_build_s > 0 and s.session_create_s > 0
     assert s.peak_rss_mb > 10

@@ -19,7 +19,7 @@ from ortmodule import ORTModule
 from ortmodule.passes.rows import select_rows_early
 from ortmodule.runtime import entry as entry_module
 
-from .helpers import train_side_by_side
+from .helpers import module_path, train_side_by_side
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 B, S, E, H = 2, 6, 4, 8
@@ -227,7 +227,7 @@ def test_pooled_block_trains_like_eager(position, dropout):
     forward = onnx.shape_inference.infer_shapes(entry.graphs.forward)
     (x_rows,) = [n for n in forward.graph.node if n.op_type == "Gather" and "/rows/" in n.name
                  and n.input[0] == forward.graph.input[0].name]
-    (ff_in,) = [n for n in forward.graph.node if n.op_type == "MatMul" and "ff.0" in n.name]
+    (ff_in,) = [n for n in forward.graph.node if n.op_type == "MatMul" and module_path(n) == "ff.0"]
     shapes = {v.name: v.type.tensor_type.shape.dim for v in [*forward.graph.value_info, *forward.graph.output]}
     assert shapes[ff_in.input[0]][1].dim_value == 1, "the FFN must run on the pooled position only"
 

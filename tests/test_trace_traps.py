@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from ortmodule import ORTModule
 from ortmodule.errors import ExportError
 
-from .helpers import assert_close
+from .helpers import assert_close, by_frontend
 
 
 def _compare(model: nn.Module, calls: list[tuple], *, rtol: float = 1e-5, expect_fallback: str | None = None):
@@ -140,7 +140,8 @@ def test_shape_dependent_branch_is_never_reused_for_another_shape():
     calls = [(torch.randn(b, 8),) for b in (8, 6, 2, 2, 6, 3)]
     wrapped = _compare(ShapeBranch(), calls)
     # 8, 6: the same graph (verified), 2: another branch; 3: a new shape is exported again and compared.
-    assert wrapped.stats.exports == 4
+    # torch.export: 8 records the guard s0 >= 4 (serving 6), 2 gets a graph whose guard serves 3.
+    assert wrapped.stats.exports == by_frontend(4, 2)
 
 
 class LoopOverSize(nn.Module):
@@ -187,8 +188,9 @@ class ParamBranch(nn.Module):
 def test_value_read_into_python_falls_back_naming_the_line():
     torch.manual_seed(0)
     x = torch.randn(16, 8).abs()
-    _compare(ItemBranch(), [(x,), (-x,), (x,)], expect_fallback="tensor.item()")
-    _compare(ParamBranch(), [(x,)], expect_fallback="float(tensor)")
+    # torch.export refuses the data-dependent read itself; the reason names the line either way
+    _compare(ItemBranch(), [(x,), (-x,), (x,)], expect_fallback=by_frontend("tensor.item()", "test_trace_traps.py"))
+    _compare(ParamBranch(), [(x,)], expect_fallback=by_frontend("float(tensor)", "reads tensor values"))
     with pytest.raises(ExportError, match="test_trace_traps.py"):
         ORTModule(ItemBranch(), fallback="raise")(x)
 
@@ -209,7 +211,7 @@ class ConstantRead(nn.Module):
 def test_constants_and_parameter_shapes_read_into_python_stay_in_ort():
     torch.manual_seed(0)
     wrapped = _compare(ConstantRead(), [(torch.randn(b, 8),) for b in (4, 6, 5)])
-    assert wrapped.stats.exports == 2  # shape-generic: the second export verifies the batch dim
+    assert wrapped.stats.exports == by_frontend(2, 1)  # shape-generic: the second export verifies the batch dim
 
 
 # -- scatters with repeated indices in the forward --------------------------------------------------------
@@ -366,7 +368,8 @@ class AtenIndexAdd(nn.Module):
 def test_exporter_warning_of_a_wrong_graph_falls_back():
     torch.manual_seed(0)
     calls = [(torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2]))]
-    _compare(AtenIndexAdd(), calls, expect_fallback="duplicated values")
+    # torch.export: torchlib writes the decomposed index_add as a ScatterND(add), refused as racing
+    _compare(AtenIndexAdd(), calls, expect_fallback=by_frontend("duplicated values", "ScatterND"))
 
 
 # -- gradient hooks -----------------------------------------------------------------------------------------
@@ -526,5 +529,5 @@ class DeepThenItem(nn.Module):
 def test_value_read_after_a_deep_network_falls_back():
     torch.manual_seed(0)
     wrapped = ORTModule(DeepThenItem())
-    with pytest.warns(UserWarning, match="tensor.item()"):
+    with pytest.warns(UserWarning, match=by_frontend("tensor.item()", "reads tensor values")):
         wrapped(torch.randn(2, 4))

@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from ortmodule import ORTModule  # noqa: E402
 from ortmodule.runtime import entry as entry_module  # noqa: E402
 
-from .helpers import CallCounter, assert_close, train_side_by_side  # noqa: E402
+from .helpers import CallCounter, assert_close, module_path, train_side_by_side  # noqa: E402
 
 hf_logging.set_verbosity_error()
 
@@ -74,7 +74,8 @@ def test_bert_sequence_classification_parity():
     (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
     forward = onnx.shape_inference.infer_shapes(entry.graphs.forward)
     shapes = {v.name: v.type.tensor_type.shape.dim for v in [*forward.graph.value_info, *forward.graph.output]}
-    ffn = {n.name: n.input[0] for n in forward.graph.node if n.op_type == "MatMul" and "intermediate" in n.name}
+    ffn = {module_path(n): n.input[0] for n in forward.graph.node
+           if n.op_type == "MatMul" and "intermediate" in (module_path(n) or "")}
     rows = {name: shapes[x][1].dim_value for name, x in ffn.items()}
     # symbolic (0) sequence length in layers 0-2, one row in layer 3
     assert sorted(rows.values()) == [0, 0, 0, 1] and [v for n, v in rows.items() if "layer.3" in n] == [1], rows

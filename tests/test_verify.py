@@ -204,7 +204,7 @@ def test_eager_error_is_reraised():
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x):
-            if not torch.jit.is_tracing():
+            if not (torch.jit.is_tracing() or torch.compiler.is_exporting()):
                 raise RuntimeError("eager boom")
             return self.lin(x)
 

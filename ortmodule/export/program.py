@@ -126,7 +126,30 @@ def onnx_registry():
             rstd = op.Reciprocal(op.Sqrt(op.Add(var, eps_t)))
             return y, op.ReduceMean(input, axes, keepdims=0), rstd
 
+        def hypot(self, other):
+            return op.Sqrt(op.Add(op.Mul(self, self), op.Mul(other, other)))
+
+        def cumprod(self, dim: int, dtype=None):
+            # Unrolled over the (static) scanned dim: products of running prefixes, exact for zeros
+            # and negatives alike (exp(cumsum(log x)) is not). A symbolic dim has no translation.
+            rank = len(self.shape)
+            d = dim % rank
+            size = self.shape[d]
+            if not isinstance(size, int):
+                raise NotImplementedError("cumprod over a dimension of symbolic size")
+            if dtype is not None and dtype != -1:
+                self = torchlib.common_ops.cast_to(self, dtype)
+            axes = op.Constant(value_ints=[d])
+            parts, running = [], None
+            for i in range(size):
+                piece = op.Slice(self, op.Constant(value_ints=[i]), op.Constant(value_ints=[i + 1]), axes)
+                running = piece if running is None else op.Mul(running, piece)
+                parts.append(running)
+            return parts[0] if size == 1 else op.Concat(*parts, axis=d)
+
         registry = ONNXRegistry.from_torchlib()
+        registry.register_op(torch.ops.aten.hypot.default, hypot)
+        registry.register_op(torch.ops.aten.cumprod.default, cumprod)
         registry.register_op(torch.ops.aten._native_batch_norm_legit.no_stats, batch_norm_no_stats)
         registry.register_op(torch.ops.aten.to.dtype_layout, to)
         registry.register_op(torch.ops.aten.to.device, to_device)

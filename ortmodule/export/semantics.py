@@ -80,6 +80,45 @@ def _cross_entropy_args(args, kwargs) -> dict:
     return bound
 
 
+_CLAMPS = {torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, torch.Tensor.clamp_, torch.Tensor.clip_}
+
+
+def _tensor_bounds(args, kwargs):
+    """``t.clamp(0, x.size(1))`` under torch.export: a SymInt bound reaches torch.onnx's type
+    promotion as a graph value it cannot type; as a 0-d tensor of t's dtype it is an ordinary input
+    and stays symbolic."""
+    t = args[0]
+
+    def as_tensor(v):
+        return torch.full((), v, dtype=t.dtype, device=t.device) if isinstance(v, torch.SymInt) else v
+
+    if not any(isinstance(v, torch.SymInt) for v in (*args[1:], *kwargs.values())):
+        return args, kwargs
+    if not isinstance(t, torch.Tensor):
+        return args, kwargs
+    bounds = [as_tensor(v) for v in args[1:]]
+    kw = {k: as_tensor(v) for k, v in kwargs.items()}
+    if any(isinstance(v, torch.Tensor) for v in (*bounds, *kw.values())):
+        bounds = [torch.full((), v, dtype=t.dtype, device=t.device) if isinstance(v, (int, float)) else v
+                  for v in bounds]
+        kw = {k: torch.full((), v, dtype=t.dtype, device=t.device) if isinstance(v, (int, float)) else v
+              for k, v in kw.items()}
+    return (t, *bounds), kw
+
+
+def _concrete_ignore_index(func, args, kwargs):
+    """An ``ignore_index`` computed from a size (HF QA heads: ``ignored = logits.size(1)``) is a
+    SymInt under torch.export, which torchlib's loss takes as an int only: made an int, which adds
+    torch.export's guard on that size (a new size exports again, NOTE [shape guards])."""
+    position = 4 if func is F.cross_entropy or func is F.nll_loss else None
+    value = kwargs.get("ignore_index", args[position] if position is not None and len(args) > position else None)
+    if not isinstance(value, torch.SymInt):
+        return args, kwargs
+    if "ignore_index" in kwargs:
+        return args, {**kwargs, "ignore_index": int(value)}
+    return (*args[:position], int(value), *args[position + 1:]), kwargs
+
+
 def smoothed_cross_entropy(input, target, weight, ignore_index: int, reduction: str, smoothing: float):
     """``F.cross_entropy(..., label_smoothing=smoothing)`` for class-index targets, from ops that export.
 
@@ -272,6 +311,10 @@ class _Base(TorchFunctionMode):
                 return out
         if func is F.batch_norm:
             return self._batch_norm(func, args, kwargs)
+        if func in (F.cross_entropy, F.nll_loss):
+            args, kwargs = _concrete_ignore_index(func, args, kwargs)
+        if func in _CLAMPS:
+            args, kwargs = _tensor_bounds(args, kwargs)
         if func is F.cross_entropy:
             b = _cross_entropy_args(args, kwargs)
             if (b["label_smoothing"] > 0.0 and not b["target"].is_floating_point() and b["size_average"] is None
