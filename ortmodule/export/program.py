@@ -568,13 +568,15 @@ def _prepare(ep, registry):
 
     ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
     registered = set(_decomp.get_onnx_implemented_overloads(registry))
+    mutating = _unsafe_mutation(ep)
+    if not mutating:
+        _rewrite_for_torchlib(ep.graph_module, registered)
     targets = {n.target for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
                for n in m.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
     missing = targets - registered
     # NOTE [functional graphs]: the training IR keeps in-place ops (``mul_``, ``copy_``); ONNX is
-    # functional, so a value read after an in-place write would read the old value. Any mutation
-    # makes the program go through torch's functionalization (with the decompositions it needs).
-    mutating = any(op._schema.is_mutable for op in targets)
+    # functional, so a value read after an in-place write would read the old value. A mutation that
+    # cannot be written as a new value makes the program go through torch's functionalization.
     # NOTE [autocast capture]: the training IR is traced above the Autocast dispatch key, so an
     # autocast region of the caller leaves no casts in it (while the traced values are half
     # precision); the re-trace below the key writes them.
@@ -590,6 +592,74 @@ def _prepare(ep, registry):
             ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
         _fx_passes.insert_type_promotion_nodes(ep.graph_module)
     return ep
+
+
+def _rewrite_for_torchlib(gm, registered) -> None:
+    """NOTE [export time]: training-IR ops torchlib has no translation for but an equal op it has,
+    rewritten in place so that no re-trace is needed: a safe in-place op as its functional form
+    (NOTE [functional graphs]) and a global ``adaptive_avg_pool2d`` as a mean."""
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        target = node.target
+        if target in registered:
+            continue
+        name = target._schema.name.split("::")[-1]
+        if target._schema.is_mutable and name.endswith("_") and not name.endswith("__"):
+            packet = getattr(aten, name[:-1], None)
+            functional = getattr(packet, target._overloadname, None) if packet is not None else None
+            if functional is not None and functional in registered:
+                node.target = functional
+        elif target is aten.adaptive_avg_pool2d.default and list(node.args[1]) == [1, 1]:
+            node.target, node.args = aten.mean.dim, (node.args[0], [-2, -1], True)
+    gm.recompile()
+
+
+def _aliases(target) -> bool:
+    """Whether an op's output may alias an input (a view: ``view``, ``transpose``, ``select`` ...)."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _unsafe_mutation(ep) -> bool:
+    """Whether an in-place op (or a higher-order op) of the program needs torch's functionalization
+    (NOTE [functional graphs]).
+
+    A write is taken as the new value it returns only where that is exact: the written tensor is an
+    intermediate (not an input, not inside a subgraph, where it would be one), made by an op that
+    does not alias (not a view of something else), no view of it exists, and nothing reads it after
+    the write (the traced code reads the in-place op's result from then on). ``x.add_(1)`` on a
+    buffer's clone (``num_batches_tracked``) is such a write; anything else is re-traced.
+    """
+    for module in ep.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        nodes = list(module.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        for node in nodes:
+            if node.op != "call_function":
+                continue
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                # ``with torch.no_grad():`` in forward (wrap_with_set_grad_enabled) and the like:
+                # the translator takes them only once the re-trace has inlined them
+                return True
+            schema = getattr(node.target, "_schema", None)
+            if schema is None:
+                continue
+            if not schema.is_mutable:
+                continue
+            if module is not ep.graph_module or node.kwargs:
+                return True
+            for arg, formal in zip(node.args, schema.arguments):
+                if formal.alias_info is None or not formal.alias_info.is_write:
+                    continue
+                if not isinstance(arg, torch.fx.Node) or arg.op != "call_function" or _aliases(arg.target):
+                    return True
+                for user in arg.users:
+                    if user is not node and (order[user] > order[node] or _aliases(user.target)):
+                        return True
+    return False
 
 
 def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) -> onnx.ModelProto:

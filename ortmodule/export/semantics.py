@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..errors import ExportError
 from .traps import NOT_REWRITTEN, TraceWatch, rewrite, thread_value
 
 
@@ -465,6 +466,7 @@ class ExportSemantics(_Base):
         super().__init__()
         self.masks: list[MaskSpec] = []
         self.mask_sizes: list[tuple] = []  # each mask's sizes as traced (SymInts under torch.export)
+        self.buffer_writes: dict[int, torch.Tensor] = {}  # id(buffer clone) -> its new value
         self.watch = watch
 
     def dropout(self, x, p):
@@ -474,6 +476,22 @@ class ExportSemantics(_Base):
         self.mask_sizes.append(tuple(x.shape))
         self.masks.append(MaskSpec(tuple(_hint(d) for d in x.shape), x.dtype, p, order=_memory_order(x)))
         return x * torch.ops.ortmodule.dropout_mask(x, p, k)  # the mask holds 0 or 1 / (1 - p)
+
+    def _batch_norm_export(self, func, x, rm, rv, b, dims, n):
+        """torch.export: the running statistics are new values (NOTE [buffer writes]), and the
+        normalisation a stat-less training ``batch_norm``, which mutates nothing, so it stays one
+        ``aten.batch_norm`` written as BatchNormalization(training_mode=1) (NOTE [torch.export front
+        end]). A buffer written in place as well as here would need an order: refused."""
+        if id(rm) in self.buffer_writes or id(rv) in self.buffer_writes:
+            raise ExportError("a BatchNorm's running statistics are updated twice in one forward")
+        momentum = b["momentum"]
+        xd = stop_gradient(x)
+        mean = xd.mean(dims)
+        centred = xd - xd.mean(dims, keepdim=True)  # torchlib has no translation of var: written out
+        var = (centred * centred).mean(dims)
+        self.buffer_writes[id(rm)] = rm * (1.0 - momentum) + mean * momentum
+        self.buffer_writes[id(rv)] = rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum
+        return func(x, None, None, b["weight"], b["bias"], True, momentum, b["eps"])
 
     def _batch_norm(self, func, args, kwargs):
         names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -486,6 +504,8 @@ class ExportSemantics(_Base):
         momentum = b["momentum"]
         dims = [0] + list(range(2, x.dim()))
         n = x.numel() // x.size(1)
+        if self.watch is not None and not self.watch.jit:
+            return self._batch_norm_export(func, x, rm, rv, b, dims, n)
         with torch.no_grad():
             xd = x.detach()
             mean = xd.mean(dims)
@@ -497,9 +517,4 @@ class ExportSemantics(_Base):
             stat_mean, stat_var = mean.clone(), var.clone()
             rm.copy_(rm * (1.0 - momentum) + mean * momentum)
             rv.copy_(rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum)
-        if self.watch is not None and not self.watch.jit:
-            # torch.export: without running stats the batch norm call mutates nothing, so it stays
-            # one ``aten.batch_norm`` through functionalization (NOTE [functional graphs]) and is
-            # written as BatchNormalization(training_mode=1) (NOTE [torch.export front end]).
-            return func(x, None, None, b["weight"], b["bias"], True, momentum, b["eps"])
         return func(x, stat_mean, stat_var, b["weight"], b["bias"], True, momentum, b["eps"])

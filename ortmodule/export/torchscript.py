@@ -154,8 +154,11 @@ class _Flat(nn.Module):
                 raise
         outs, self.output_spec = flatten_outputs(out, user)
         self.num_user_outputs = len(outs)
-        self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i])
-        return tuple(outs) + tuple(clones[i] for i in self.mutated)
+        # NOTE [buffer writes]: under torch.export the BatchNorm statistics are new values, not
+        # in-place writes (semantics.py), which spares the functionalizing re-trace.
+        writes = self.semantics.buffer_writes
+        self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i] or id(c) in writes)
+        return tuple(outs) + tuple(writes.get(id(clones[i]), clones[i]) for i in self.mutated)
 
 
 def export_module(
