@@ -276,3 +276,48 @@ def test_an_accumulating_scatternd_falls_back():
     with pytest.warns(UserWarning, match="ScatterND"):
         out = ort(x, idx)
     assert torch.equal(out, ort.module(x, idx))
+
+
+def test_a_torch_without_recorded_guard_code_serves_exact_shapes_only(monkeypatch):
+    """Without ``ExportedProgram._guards_code`` a guard like ``x.shape[0] % 2 == 0`` would be unseen:
+    the graph must then serve only the shapes it was exported at (NOTE [shape guards])."""
+    from ortmodule.export import program
+
+    real = program._shape_guard
+
+    def without_code(ep, *args):
+        class Plain:  # the same program, minus the attribute
+            def __getattr__(self, name):
+                if name == "_guards_code":
+                    raise AttributeError(name)
+                return getattr(ep, name)
+        return real(Plain(), *args)
+
+    monkeypatch.setattr(program, "_shape_guard", without_code)
+    torch.manual_seed(0)
+    eager = ParityBranch()
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    for b in (4, 6, 5, 4):
+        x = torch.randn(b, 4)
+        assert_close(ort(x), eager(x), 1e-6, f"batch {b}")
+    assert ort.stats.exports == 3
+
+
+class ParityBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * (2.0 if x.shape[0] % 2 == 0 else 3.0)
+
+
+def test_a_guard_beyond_ranges_is_checked_per_call():
+    """``x.shape[0] % 2 == 0`` is no range: torch.export's recorded guard code decides reuse."""
+    torch.manual_seed(0)
+    eager = ParityBranch()
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    for b, exports in ((4, 1), (6, 1), (5, 2), (7, 2), (8, 2)):
+        x = torch.randn(b, 4)
+        assert_close(ort(x), eager(x), 1e-6, f"batch {b}")
+        assert ort.stats.exports == exports, (b, ort.stats)

@@ -238,7 +238,14 @@ def _shape_guard(ep, n_user: int, n_all: int) -> ShapeGuard:
         if not getattr(sym, "is_Symbol", False):
             continue
         ranges.append((str(sym), _bound(vr.lower, 0), _bound(vr.upper, None)))
-    return ShapeGuard(tuple(dims), tuple(fixed), tuple(ranges), tuple(getattr(ep, "_guards_code", ()) or ()))
+    code = getattr(ep, "_guards_code", None)
+    if code is None:
+        # A torch without the recorded guard code (it arrived with the runtime guard checks of
+        # ``ep.module()``): ranges alone would miss guards like ``s0 % 2 == 0``, so the graph
+        # serves only its own shapes, never a guess.
+        dims = [tuple(fixed_row) for fixed_row in fixed]
+        return ShapeGuard(tuple(dims), tuple(fixed), (), ())
+    return ShapeGuard(tuple(dims), tuple(fixed), tuple(ranges), tuple(code))
 
 
 def _bound(value, unbounded):
