@@ -113,6 +113,12 @@ def onnx_registry():
         def to_device(self, device=None, dtype=None, non_blocking=False, copy=False, memory_format=None):
             return to(self, dtype=dtype)
 
+        def to_dtype(self, dtype=None, non_blocking=False, copy=False, memory_format=None):
+            return to(self, dtype=dtype)
+
+        def to_other(self, other, non_blocking=False, copy=False, memory_format=None):
+            return op.CastLike(self, other)
+
         def batch_norm_no_stats(input, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
             # What functionalization makes of our stat-less training batch_norm (NOTE [batchnorm
             # stats] in semantics.py). The saved mean and rstd are written out in case something
@@ -153,6 +159,8 @@ def onnx_registry():
         registry.register_op(torch.ops.aten._native_batch_norm_legit.no_stats, batch_norm_no_stats)
         registry.register_op(torch.ops.aten.to.dtype_layout, to)
         registry.register_op(torch.ops.aten.to.device, to_device)
+        registry.register_op(torch.ops.aten.to.dtype, to_dtype)
+        registry.register_op(torch.ops.aten.to.other, to_other)
         registry.register_op(torch.ops.aten.__and__.Tensor, torchlib.aten_bitwise_and)
         registry.register_op(torch.ops.aten.__or__.Tensor, torchlib.aten_bitwise_or)
         registry.register_op(torch.ops.ortmodule.dropout_mask.default, dropout_mask)
