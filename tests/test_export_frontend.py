@@ -321,3 +321,31 @@ def test_a_guard_beyond_ranges_is_checked_per_call():
         x = torch.randn(b, 4)
         assert_close(ort(x), eager(x), 1e-6, f"batch {b}")
         assert ort.stats.exports == exports, (b, ort.stats)
+
+
+class MixedDtypes(nn.Module):
+    """Ops that promote: float * int64 mask, int + float scalar, bool in arithmetic, int // float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask, counts):
+        h = self.lin(x) * mask  # int64 mask: promoted to float
+        h = h + (counts + 0.5).unsqueeze(-1)  # int64 + Python float
+        h = h + (mask > 0)  # float + bool
+        return h * (counts // 2.0).unsqueeze(-1)  # int64 // float
+
+
+def test_type_promotion_is_kept_where_dtypes_mix():
+    """NOTE [export time]: the type-promotion pass is skipped only when nothing mixes dtypes."""
+    torch.manual_seed(0)
+    eager = MixedDtypes()
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    x, mask, counts = torch.randn(6, 4), torch.randint(0, 2, (6, 4)), torch.randint(-5, 5, (6,))
+    ye, yo = eager(x, mask, counts), ort(x, mask, counts)
+    assert yo.dtype == ye.dtype
+    assert_close(yo, ye, 1e-6, "output")
+    ye.sum().backward()
+    yo.sum().backward()
+    _grads_match(ort, eager)

@@ -605,8 +605,49 @@ def _prepare(ep, registry):
             if left & set(table):  # decompositions that produce ops needing their own
                 ep = ep.run_decompositions(table)
             ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
-        _fx_passes.insert_type_promotion_nodes(ep.graph_module)
+        if _needs_type_promotion(ep.graph_module):
+            _fx_passes.insert_type_promotion_nodes(ep.graph_module)
     return ep
+
+
+def _needs_type_promotion(gm) -> bool:
+    """Whether torch.onnx's type-promotion pass would insert a cast anywhere.
+
+    # NOTE [export time]: the pass re-runs the whole graph on fake tensors (BERT-4L: 0.6 s) to find
+    # the few mixed-dtype ops. The same rules, previewed on the dtypes the capture recorded, tell
+    # whether there is any; only then does the pass run. A preview that fails runs it too.
+    """
+    from torch.onnx._internal.fx.passes import type_promotion as tp
+
+    table = tp.TypePromotionTable()
+
+    def value(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            rule = tp.get_type_promotion_rule(node, table)
+            if rule is None:
+                continue
+            try:
+                args = torch.fx.node.map_aggregate(node.args, value)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+                info = rule.preview_type_promotion(args, kwargs)
+            except Exception:
+                return True
+            wanted = [(node.args[i] if i < len(node.args) else None, d) for i, d in info.args_dtypes.items()]
+            wanted += [(node.kwargs.get(k), d) for k, d in info.kwargs_dtypes.items()]
+            for arg, dtype in wanted:
+                if dtype is None or not isinstance(arg, torch.fx.Node):
+                    continue
+                val = arg.meta.get("val")
+                if not isinstance(val, torch.Tensor) or val.dtype != dtype:
+                    return True
+    return False
 
 
 def _rewrite_for_torchlib(gm, registered) -> None:
