@@ -49,8 +49,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BUILTIN_MODELS = ("mlp", "cnn", "bert", "gpt2")
 ALL_MODES = ("eager", "compile", "ortmodule")
-# ortmodule-export: ORTModule with the torch.export front end (frontend="export"), beside the default.
-ORT_MODES = ("ortmodule", "ortmodule-export")
+# ortmodule: the default front end (torch.export); ortmodule-torchscript: the legacy TorchScript one.
+ORT_MODES = ("ortmodule", "ortmodule-torchscript")
 MARK = "@@BENCH "  # prefix of the protocol lines a worker writes
 
 # Repetitions: warmup steps, then `reps` rounds of `inner` timed steps of each kind, per model.
@@ -246,7 +246,7 @@ class Worker:
             from ortmodule import ORTModule
 
             _OrtRunTimer.install()
-            self.model = ORTModule(model, frontend="export" if mode == "ortmodule-export" else None)
+            self.model = ORTModule(model, frontend="torchscript" if mode == "ortmodule-torchscript" else None)
         else:
             raise ValueError(f"unknown mode {mode!r}")
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -16,9 +16,10 @@ Environment variables (read when an ORTModule is created; constructor arguments 
                            ``0`` (default): off. See ``ortmodule/verify.py``.
 ``ORTMODULE_VERIFY_RTOL``  the float32 relative tolerance of verification (default 1e-4);
                            ``verify_tolerance=VerifyTolerance(...)`` sets all of them.
-``ORTMODULE_FRONTEND``     how the forward is captured (``frontend=``): ``torchscript`` (default,
-                           the legacy tracer) or ``export`` (torch.export + onnxscript's torchlib,
-                           symbolic shapes with guards; ``ortmodule/export/program.py``).
+``ORTMODULE_FRONTEND``     how the forward is captured (``frontend=``): ``export`` (default:
+                           torch.export + onnxscript's torchlib, symbolic shapes with guards;
+                           ``ortmodule/export/program.py``) or ``torchscript`` (the legacy tracer,
+                           which torch deprecates; kept as an opt-in while both pass the suite).
 ========================== =================================================================
 """
 
@@ -31,7 +32,7 @@ import os
 
 logger = logging.getLogger("ortmodule")
 
-FRONTENDS = ("torchscript", "export")
+FRONTENDS = ("export", "torchscript")  # the first is the default
 
 
 class FallbackPolicy(str, enum.Enum):
@@ -79,7 +80,7 @@ class Options:
     debug: DebugOptions = dataclasses.field(default_factory=DebugOptions)
     verify: bool = False
     verify_tolerance: VerifyTolerance = dataclasses.field(default_factory=VerifyTolerance)
-    frontend: str = "torchscript"
+    frontend: str = FRONTENDS[0]
 
     @classmethod
     def resolve(
@@ -115,7 +116,7 @@ class Options:
         if verify_tolerance is None:
             rtol = os.environ.get("ORTMODULE_VERIFY_RTOL")
             verify_tolerance = VerifyTolerance(rtol=float(rtol)) if rtol else VerifyTolerance()
-        frontend = (frontend or os.environ.get("ORTMODULE_FRONTEND") or "torchscript").strip().lower()
+        frontend = (frontend or os.environ.get("ORTMODULE_FRONTEND") or FRONTENDS[0]).strip().lower()
         if frontend not in FRONTENDS:
             raise ValueError(f"unknown frontend {frontend!r}; use one of {list(FRONTENDS)}")
         return cls(fallback=policy, cache_size=size, debug=debug, verify=bool(verify),
