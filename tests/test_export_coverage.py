@@ -189,3 +189,35 @@ def test_decoder_lm_trained_with_labels_and_no_attention_mask():
         opt_e.step()
         opt_o.step()
     assert ort.stats.fallbacks == 0
+
+
+def _hf_zoo():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    t, v = transformers, 96
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
+    return {
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=2, use_cache=False)),
+        "mistral-sliding-window": lambda: t.MistralForCausalLM(t.MistralConfig(vocab_size=v, num_key_value_heads=2,
+                                                                             sliding_window=8, **small)),
+        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(vocab_size=v, num_key_value_heads=2, **small)),
+        "gpt-neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(vocab_size=v, **small)),
+        "phi": lambda: t.PhiForCausalLM(t.PhiConfig(vocab_size=v, **small)),
+    }
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mistral-sliding-window", "qwen2", "gpt-neox", "phi"])
+def test_causal_lms_trained_with_labels_only_verify_against_eager(arch):
+    """Decoder LMs built from transformers configs, the ordinary `model(input_ids, labels=ids)` call:
+    every one fell back under the TorchScript front end (aten::diff). verify=True runs eager beside
+    the first call of each graph and compares the loss and every gradient."""
+    torch.manual_seed(0)
+    model = ORTModule(_hf_zoo()[arch](), frontend="export", fallback="raise", verify=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for seq in (12, 12, 9):  # a new length: served by the guard, verified again as a new signature
+        ids = torch.randint(3, 96, (2, seq), generator=g)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert model.stats.fallbacks == 0 and model.stats.verifications == 2 and model.stats.exports == 1
