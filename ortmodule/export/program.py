@@ -1,18 +1,19 @@
-"""The torch.export front end behind :func:`export_module` (``frontend="export"``).
+"""The torch.export front end (the default; ``frontend="torchscript"`` selects the legacy tracer).
 
 # NOTE [torch.export front end]: the module is captured with ``torch.export.export(strict=False)``
 # through the same flat wrapper as the TorchScript path (user tensors, parameters, buffers as
 # inputs; cloned buffers returned when mutated), under the same ExportSemantics mode: dropout masks
 # are ``ortmodule::dropout_mask`` placeholders, ``detach`` / ``no_grad`` results
 # ``ortmodule::stop_gradient``, BatchNorm running stats explicit updates (NOTE [dropout masks],
-# NOTE [batchnorm stats]). The ATen graph is translated by torch.onnx's own translator with
-# onnxscript's torchlib, plus three translations of ours: the two placeholders become
-# ``ortmodule`` domain nodes that the shared post-processing turns into mask inputs and marked
-# Identities, and a training ``batch_norm`` becomes ``BatchNormalization(training_mode=1)``
-# (torchlib writes every batch norm in inference mode). What torch.export handles itself:
-# data-dependent Python (``.item()`` branches) makes it raise (a named fallback); sizes read
-# from ``x.shape`` become symbolic expressions, and branches on them become guards
-# (NOTE [shape guards]); in-place writes to inputs and parameters show in the graph signature.
+# NOTE [batchnorm stats], NOTE [buffer writes]). The ATen graph is translated by torch.onnx's own
+# translator with onnxscript's torchlib and translations of ours (``_custom_translations``): the
+# two placeholders become ``ortmodule`` domain nodes that the shared post-processing turns into
+# mask inputs and marked Identities, and a training ``batch_norm`` becomes
+# ``BatchNormalization(training_mode=1)`` (torchlib writes every batch norm in inference mode).
+# What torch.export handles itself: data-dependent Python (``.item()`` branches) makes it raise
+# (a named fallback); sizes read from ``x.shape`` become symbolic expressions, and branches on them
+# become guards (NOTE [shape guards]); in-place writes to inputs and parameters show in the graph
+# signature once functionalized (NOTE [functional graphs]).
 """
 
 from __future__ import annotations
