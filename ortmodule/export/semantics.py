@@ -86,33 +86,28 @@ _CLAMPS = {torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, torch
 
 def _tensor_bounds(args, kwargs):
     """``t.clamp(0, x.size(1))`` under torch.export: a SymInt bound reaches torch.onnx's type
-    promotion as a graph value it cannot type; as a 0-d tensor of t's dtype it is an ordinary input
-    and stays symbolic."""
-    t = args[0]
+    promotion as a graph value it cannot type; as 0-d tensors of t's dtype (both bounds, as
+    ``clamp.Tensor`` takes them) it stays symbolic. Only integer bounds are converted: a float
+    bound would change eager's result dtype (an integer ``t`` clamps to float)."""
+    t = args[0] if args else None
+    bounds = (*args[1:], *kwargs.values())
+    if not isinstance(t, torch.Tensor) or not any(isinstance(v, torch.SymInt) for v in bounds):
+        return args, kwargs
+    if not all(v is None or isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) for v in bounds):
+        return args, kwargs
 
     def as_tensor(v):
-        return torch.full((), v, dtype=t.dtype, device=t.device) if isinstance(v, torch.SymInt) else v
+        return None if v is None else torch.full((), v, dtype=t.dtype, device=t.device)
 
-    if not any(isinstance(v, torch.SymInt) for v in (*args[1:], *kwargs.values())):
-        return args, kwargs
-    if not isinstance(t, torch.Tensor):
-        return args, kwargs
-    bounds = [as_tensor(v) for v in args[1:]]
-    kw = {k: as_tensor(v) for k, v in kwargs.items()}
-    if any(isinstance(v, torch.Tensor) for v in (*bounds, *kw.values())):
-        bounds = [torch.full((), v, dtype=t.dtype, device=t.device) if isinstance(v, (int, float)) else v
-                  for v in bounds]
-        kw = {k: torch.full((), v, dtype=t.dtype, device=t.device) if isinstance(v, (int, float)) else v
-              for k, v in kw.items()}
-    return (t, *bounds), kw
+    return (t, *map(as_tensor, args[1:])), {k: as_tensor(v) for k, v in kwargs.items()}
 
 
 def _concrete_ignore_index(func, args, kwargs):
     """An ``ignore_index`` computed from a size (HF QA heads: ``ignored = logits.size(1)``) is a
     SymInt under torch.export, which torchlib's loss takes as an int only: made an int, which adds
     torch.export's guard on that size (a new size exports again, NOTE [shape guards])."""
-    position = 4 if func is F.cross_entropy or func is F.nll_loss else None
-    value = kwargs.get("ignore_index", args[position] if position is not None and len(args) > position else None)
+    position = 4  # F.cross_entropy and F.nll_loss alike: (input, target, weight, size_average, ignore_index)
+    value = kwargs.get("ignore_index", args[position] if len(args) > position else None)
     if not isinstance(value, torch.SymInt):
         return args, kwargs
     if "ignore_index" in kwargs:
