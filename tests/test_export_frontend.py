@@ -16,6 +16,7 @@ from ortmodule import ORTModule
 from ortmodule.export.program import ShapeGuard
 
 from .helpers import assert_close
+from .test_trace_traps import AtenIndexAdd
 
 
 def _export(model: nn.Module, **kwargs) -> ORTModule:
@@ -258,15 +259,6 @@ def test_wrong_input_raises_the_eager_error_and_the_module_keeps_working():
     assert ort.stats.fallbacks == 0 and ort.stats.exports == 0
     out = ort(torch.randn(3, 4))
     assert out.shape == (3, 2) and ort.stats.fallbacks == 0 and ort.stats.exports == 1
-
-
-class AtenIndexAdd(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, idx):
-        return torch.ops.aten.index_add(torch.zeros(3, 4), 0, idx, self.lin(x))
 
 
 def test_an_accumulating_scatternd_falls_back():
