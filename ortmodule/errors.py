@@ -75,6 +75,11 @@ def _in_torch_or_ortmodule(filename: str) -> bool:
     return filename.startswith((_TORCH_DIR, _OWN_DIR))
 
 
+def _user_file(filename: str) -> bool:
+    """A frame of the user's code: outside torch, ortmodule, contextlib and generated code."""
+    return not (_in_torch_or_ortmodule(filename) or filename.startswith("<") or "contextlib" in filename)
+
+
 def user_stacklevel() -> int:
     """The ``warnings.warn`` stacklevel of the innermost caller outside torch and ortmodule, so a
     warning points at the user's ``model(x)`` line, not at torch's ``_call_impl``."""
@@ -89,7 +94,7 @@ def user_location() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         f = frame.f_code.co_filename
-        if not (_in_torch_or_ortmodule(f) or f.startswith("<") or "contextlib" in f):
+        if _user_file(f):
             return f"{f}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "an unknown place"
@@ -101,8 +106,7 @@ def traceback_location(tb) -> str | None:
     found = None
     while tb is not None:
         code = tb.tb_frame.f_code
-        f = code.co_filename
-        if not (_in_torch_or_ortmodule(f) or f.startswith("<") or "contextlib" in f):
-            found = f"{f}:{tb.tb_lineno} in {code.co_name}"
+        if _user_file(code.co_filename):
+            found = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
         tb = tb.tb_next
     return found

@@ -18,6 +18,7 @@ from .autodiff.builder import node_reads
 from .export import ExportedModel
 from .export.torchscript import input_name, mask_name
 from .passes import lower_softmax_cross_entropy, run_forward_passes, score_ranks
+from .passes.proto import apply_inferred_types
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
 # Size and the integer arithmetic on their results) run in the forward model instead: saving a
@@ -84,19 +85,7 @@ def _infer_missing_types(model: ir.Model, nodes: Sequence[ir.Node]) -> None:
     missing = [o for n in nodes for o in n.outputs if o.dtype is None or o.shape is None]
     if not missing:
         return
-    inferred = onnx.shape_inference.infer_shapes(ir.to_proto(model))
-    known = {vi.name: vi for vi in inferred.graph.value_info}
-    for v in missing:
-        vi = known.get(v.name)
-        if vi is None or not vi.type.HasField("tensor_type"):
-            continue
-        tt = vi.type.tensor_type
-        if v.dtype is None and tt.elem_type:
-            v.dtype = ir.DataType(tt.elem_type)
-        if v.shape is None and tt.HasField("shape"):
-            v.shape = ir.Shape(
-                [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
-            )
+    apply_inferred_types(missing, onnx.shape_inference.infer_shapes(ir.to_proto(model)))
 
 
 def reference_dim_values(exported: ExportedModel) -> dict[str, int]:

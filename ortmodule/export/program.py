@@ -39,7 +39,7 @@ from .torchscript import (
     input_name,
     mask_name,
 )
-from .traps import TraceWatch, backward_hook_failure
+from .traps import TraceWatch, input_write_message, parameter_write_message
 
 OPSET = 20
 _lock = threading.Lock()
@@ -293,7 +293,7 @@ class _Sizes:
         return self.shape if dim is None else self.shape[dim]
 
 
-def _shape_guard(ep, n_user: int, n_all: int) -> ShapeGuard:
+def _shape_guard(ep, n_all: int) -> ShapeGuard:
     users = set(ep.graph_signature.user_inputs)
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
     if len(placeholders) != n_all:
@@ -393,9 +393,6 @@ def export_program(
     """Capture ``module`` with torch.export and translate it (NOTE [torch.export front end])."""
     if opset != OPSET:
         raise ExportError(f"the torch.export front end writes opset {OPSET} graphs, not {opset}")
-    hooked = backward_hook_failure(module)
-    if hooked is not None:
-        raise ExportError(f"{type(module).__name__}: {hooked}")
     name = type(module).__name__
     define_mask_op()
     wrapper = _Captured(module, flat, param_names, buffer_names)
@@ -437,7 +434,7 @@ def export_program(
         raise ExportError(f"decomposing {name}'s exported program failed: {type(exc).__name__}: "
                           f"{_first_line(exc)}") from exc
     _refuse_mutated_inputs(ep, name, n_user, param_names)
-    guard = _shape_guard(ep, n_user, n_all) if dynamic else None
+    guard = _shape_guard(ep, n_all) if dynamic else None
     masks = tuple(wrapper.semantics.masks)
     if dynamic:
         resolved = _mask_dims(wrapper.semantics, guard, n_user)
@@ -468,7 +465,6 @@ def export_program(
         batch_only=dynamic and batch_only,
         input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
         guard=guard,
-        frontend="export",
     )
 
 
@@ -630,16 +626,8 @@ def _refuse_mutated_inputs(ep, name: str, n_user: int, param_names) -> None:
     positions = sorted(order.index(m) for m in mutated if m in order)
     params = [param_names[p - n_user][0] for p in positions if p >= n_user]
     if params:
-        raise ExportError(
-            f"{name}.forward modifies parameter {params[0]!r} in place (e.g. an EMA / momentum-encoder update): "
-            "a graph run cannot write parameters. Update it outside forward (after optimizer.step()) to keep "
-            "the module in ONNX Runtime"
-        )
-    raise ExportError(
-        f"{name}.forward modifies its input tensor(s) {[p for p in positions if p < n_user]} (positions among "
-        "the tensors of the call) in place: eager PyTorch changes the caller's tensor, a graph run cannot. "
-        "Write `x = x * 2` instead of `x.mul_(2)` to keep it in ONNX Runtime"
-    )
+        raise ExportError(f"{name}.{parameter_write_message(params[0])}")
+    raise ExportError(f"{name}.{input_write_message([p for p in positions if p < n_user])}")
 
 
 def _prepare(ep):
@@ -653,7 +641,6 @@ def _prepare(ep):
     from torch.onnx._internal.exporter import _decomp, _fx_passes
 
     ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
-    _custom_translations()
     registered = Translatable()
     mutating = _unsafe_mutation(ep)
     if not mutating:

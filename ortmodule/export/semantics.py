@@ -454,6 +454,12 @@ def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     return order if _dense_in(order, shape, strides) else None
 
 
+def _running_stats(rm, rv, mean, var, momentum: float, n):
+    """torch's running-stat update from the batch mean and biased variance over ``n`` values: the
+    variance is stored unbiased (NOTE [batchnorm stats])."""
+    return rm * (1.0 - momentum) + mean * momentum, rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum
+
+
 class ExportSemantics(_Base):
     """Trace pass: dropout reads its mask from graph inputs; BatchNorm updates its stats explicitly."""
 
@@ -484,8 +490,7 @@ class ExportSemantics(_Base):
         mean = xd.mean(dims)
         centred = xd - xd.mean(dims, keepdim=True)  # torchlib has no translation of var: written out
         var = (centred * centred).mean(dims)
-        self.buffer_writes[id(rm)] = rm * (1.0 - momentum) + mean * momentum
-        self.buffer_writes[id(rv)] = rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum
+        self.buffer_writes[id(rm)], self.buffer_writes[id(rv)] = _running_stats(rm, rv, mean, var, momentum, n)
         return func(x, None, None, b["weight"], b["bias"], True, momentum, b["eps"])
 
     def _batch_norm(self, func, args, kwargs):
@@ -510,6 +515,7 @@ class ExportSemantics(_Base):
             # so the node gets these intermediates instead of the buffers, which are bound
             # zero-copy to the module's storage and must only change through the outputs below.
             stat_mean, stat_var = mean.clone(), var.clone()
-            rm.copy_(rm * (1.0 - momentum) + mean * momentum)
-            rv.copy_(rv * (1.0 - momentum) + var * (n / max(n - 1, 1)) * momentum)
+            new_mean, new_var = _running_stats(rm, rv, mean, var, momentum, n)
+            rm.copy_(new_mean)
+            rv.copy_(new_var)
         return func(x, stat_mean, stat_var, b["weight"], b["bias"], True, momentum, b["eps"])

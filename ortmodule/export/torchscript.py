@@ -23,10 +23,17 @@ from .semantics import (
     masks_to_inputs,
     route_nested_dropout,
 )
+from .traps import (
+    TraceWatch,
+    UnsupportedTrace,
+    backward_hook_failure,
+    input_write_message,
+    intercept_functions,
+    watch_forward_hooks,
+)
 
 if TYPE_CHECKING:
     from .program import ShapeGuard
-from .traps import TraceWatch, UnsupportedTrace, backward_hook_failure, intercept_functions, watch_forward_hooks
 
 DEFAULT_OPSET = 20
 WRAPPER_ATTR = "module"  # the attribute name under which the user's module is traced
@@ -78,7 +85,6 @@ class ExportedModel:
     grad_mask: tuple[bool, ...] | None = None
     # The torch.export front end: the input shapes the graph serves (NOTE [shape guards]).
     guard: ShapeGuard | None = None
-    frontend: str = "torchscript"
 
 
 @contextlib.contextmanager
@@ -113,6 +119,9 @@ class _Flat(nn.Module):
         param_names: Sequence[Sequence[str]],
         buffer_names: Sequence[Sequence[str]],
     ) -> None:
+        hooked = backward_hook_failure(module)  # either front end: checked before any capture
+        if hooked is not None:
+            raise ExportError(f"{type(module).__name__}: {hooked}")
         super().__init__()
         setattr(self, WRAPPER_ATTR, module)
         self.flat = flat
@@ -179,9 +188,6 @@ def export_module(
     reads with ``x.shape`` become Shape ops; whether the graph really is shape-generic is checked by
     the caller (NOTE [dynamic shapes]). With ``batch_only`` as well, only dim 0 of each input is.
     """
-    hooked = backward_hook_failure(module)
-    if hooked is not None:
-        raise ExportError(f"{type(module).__name__}: {hooked}")
     wrapper = _Flat(module, flat, param_names, buffer_names)
     wrapper.trainable = [p.requires_grad for p in params]
     # NOTE [inputs mutated in place]: the trace runs on copies of the user's tensors, so an in-place
@@ -229,11 +235,7 @@ def export_module(
         raise ExportError(f"{type(module).__name__}: {trap}")
     mutated_inputs = [i for i, (t, v) in enumerate(zip(user, versions)) if t._version != v]
     if mutated_inputs:
-        raise ExportError(
-            f"{type(module).__name__}.forward modifies its input tensor(s) {mutated_inputs} (positions among "
-            "the tensors of the call) in place: eager PyTorch changes the caller's tensor, a graph "
-            "run cannot. Write `x = x * 2` instead of `x.mul_(2)` to keep it in ONNX Runtime"
-        )
+        raise ExportError(f"{type(module).__name__}.{input_write_message(mutated_inputs)}")
     model = onnx.load_from_string(buf.getvalue())
     masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
     masks_to_inputs(model, list(masks), mask_name, dynamic)

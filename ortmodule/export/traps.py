@@ -206,10 +206,7 @@ class TraceWatch:
             if name is not None:
                 # Raised before the op runs: the parameter is not changed by the export.
                 raise UnsupportedTrace(
-                    f"forward modifies parameter {name!r} in place ({getattr(func, '__name__', func)} at "
-                    f"{user_location()}, e.g. an EMA / momentum-encoder update): a graph run cannot write "
-                    "parameters. Update it outside forward (after optimizer.step()) to keep the module in "
-                    "ONNX Runtime"
+                    parameter_write_message(name, f"{getattr(func, '__name__', func)} at {user_location()}, ")
                 )
         what = _READS_VALUE.get(func)
         size_only = False
@@ -415,6 +412,24 @@ _FLOOR_DIVIDE = {torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.flo
                  torch.Tensor.__floordiv__, torch.Tensor.__rfloordiv__, torch.Tensor.__ifloordiv__}
 _INDEX_ADD = {torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_}
 _INDEX_PUT = {torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_}
+
+
+def parameter_write_message(param: str, where: str = "") -> str:
+    """Why a forward that writes a parameter in place falls back (``where``: ``"func at line, "``)."""
+    return (
+        f"forward modifies parameter {param!r} in place ({where}e.g. an EMA / momentum-encoder update): a graph "
+        "run cannot write parameters. Update it outside forward (after optimizer.step()) to keep the module in "
+        "ONNX Runtime"
+    )
+
+
+def input_write_message(positions: Sequence[int]) -> str:
+    """Why a forward that writes its input tensors in place falls back (NOTE [inputs mutated in place])."""
+    return (
+        f"forward modifies its input tensor(s) {list(positions)} (positions among the tensors of the call) in "
+        "place: eager PyTorch changes the caller's tensor, a graph run cannot. Write `x = x * 2` instead of "
+        "`x.mul_(2)` to keep it in ONNX Runtime"
+    )
 
 
 class _NoHandle:

@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from .proto import apply_inferred_types
+
 _MAX_DEPTH = 32  # a condition is a few shape ops; deeper chains are not worth evaluating
 
 _BINARY = {
@@ -126,25 +128,7 @@ def _infer_shapes(graph: ir.Graph) -> None:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:  # an op onnx cannot infer: the rules ask for what they miss, loudly
         return
-    known = {vi.name: vi for vi in inferred.graph.value_info}
-    for v in missing:
-        vi = known.get(v.name)
-        if vi is None or not vi.type.HasField("tensor_type"):
-            continue
-        tt = vi.type.tensor_type
-        if v.dtype is None and tt.elem_type:
-            v.dtype = ir.DataType(tt.elem_type)
-        if tt.HasField("shape") and (v.shape is None or v.shape.rank() == len(tt.shape.dim)):
-            old = list(v.shape) if v.shape is not None else [None] * len(tt.shape.dim)
-            dims = []
-            for d, o in zip(tt.shape.dim, old):
-                if o is not None and (isinstance(o, int) or o.value is not None):
-                    dims.append(o)  # keep what was known (symbolic names the exporter chose)
-                elif d.HasField("dim_value"):
-                    dims.append(d.dim_value)
-                else:
-                    dims.append(d.dim_param or None)
-            v.shape = ir.Shape(dims)
+    apply_inferred_types(missing, inferred, refine=True)
 
 
 def inline_constant_ifs(graph: ir.Graph) -> int:
