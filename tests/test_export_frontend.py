@@ -341,3 +341,27 @@ def test_type_promotion_is_kept_where_dtypes_mix():
     ye.sum().backward()
     yo.sum().backward()
     _grads_match(ort, eager)
+
+
+class ResetsStats(nn.Module):
+    """Writes a BatchNorm's running mean in place after the BatchNorm updated it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = self.bn(x)
+        self.bn.running_mean.mul_(0.5)
+        return y
+
+
+def test_a_running_stat_written_twice_falls_back_and_matches_eager():
+    torch.manual_seed(0)
+    eager = ResetsStats()
+    ort = _export(copy.deepcopy(eager))
+    x = torch.randn(16, 4)
+    with pytest.warns(UserWarning, match="running statistics"):
+        yo = ort(x)
+    assert_close(yo, eager(x), 1e-6, "output")
+    assert torch.equal(ort.module.bn.running_mean, eager.bn.running_mean)

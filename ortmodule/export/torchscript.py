@@ -166,6 +166,9 @@ class _Flat(nn.Module):
         # NOTE [buffer writes]: under torch.export the BatchNorm statistics are new values, not
         # in-place writes (semantics.py), which spares the functionalizing re-trace.
         writes = self.semantics.buffer_writes
+        if any(id(c) in writes and c._version != v for c, v in zip(clones, versions)):
+            raise UnsupportedTrace("forward writes a BatchNorm's running statistics in place as well as through "
+                                   "the BatchNorm: the graph could not tell their order")
         self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i] or id(c) in writes)
         return tuple(outs) + tuple(writes.get(id(clones[i]), clones[i]) for i in self.mutated)
 
