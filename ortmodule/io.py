@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,8 +40,31 @@ class FlatInputs:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def _is_hf_cache(cls: type) -> bool:
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(cls, type) and issubclass(cls, cache_utils.Cache)
+
+
+def register_container(cls: type) -> bool:
+    """Make ``cls`` a pytree node where ortmodule knows how: a user dataclass, or a transformers
+    ``Cache`` (``past_key_values``; NOTE [opaque outputs]). Whether ``cls`` is a node now."""
+    if cls in pytree.SUPPORTED_NODES:
+        return True
+    try:
+        if dataclasses.is_dataclass(cls):
+            pytree.register_dataclass(cls)
+        elif _is_hf_cache(cls):
+            from transformers.exporters.exporter_dynamo import register_pytree_node
+
+            register_pytree_node(cls)
+    except Exception:  # e.g. a dataclass with init=False fields, an older transformers: stays a leaf
+        return False
+    return cls in pytree.SUPPORTED_NODES
+
+
 def _register_dataclasses(tree: Any) -> None:
-    """Let pytree see inside user dataclasses (inputs or outputs holding tensors)."""
+    """Let pytree see inside user dataclasses and transformers caches (inputs or outputs holding
+    tensors)."""
     stack = [tree]
     while stack:
         x = stack.pop()
@@ -49,13 +73,24 @@ def _register_dataclasses(tree: Any) -> None:
         elif isinstance(x, dict):
             stack.extend(x.values())
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            cls = type(x)
-            if cls not in pytree.SUPPORTED_NODES:
-                try:
-                    pytree.register_dataclass(cls)
-                except Exception:  # e.g. a dataclass with init=False fields: stays a leaf
-                    continue
-            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+            if register_container(type(x)):
+                stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        elif _is_hf_cache(type(x)):
+            register_container(type(x))
+
+
+def holds_tensors(x: Any, depth: int = 4) -> bool:
+    """Whether the non-tensor leaf ``x`` keeps tensors in its attributes or containers."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(x, (str, bytes, int, float, bool, type(None), type)):
+        return False
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return any(holds_tensors(v, depth - 1) for v in list(x)[:64])
+    if isinstance(x, dict):
+        return any(holds_tensors(v, depth - 1) for v in list(x.values())[:64])
+    attrs = getattr(x, "__dict__", None)
+    return isinstance(attrs, dict) and any(holds_tensors(v, depth - 1) for v in list(attrs.values())[:64])
 
 
 def flatten_inputs(args: tuple, kwargs: dict) -> FlatInputs:

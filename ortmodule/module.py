@@ -26,7 +26,9 @@ from .function import ORTFunction, write_back
 from .guards import find_change, snapshot
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
+from .runtime import disk_cache
 from .runtime.cache import LRUCache
+from .runtime.disk_cache import DiskCache
 from .runtime.entry import CompiledEntry
 from .verify import Verification
 
@@ -50,6 +52,8 @@ class Stats:
     peak_rss_mb: float = 0.0  # sampled when graphs are built and every 64th cached call
     verifications: int = 0  # verify mode: first calls of new graphs checked against eager
     verify_s: float = 0.0
+    disk_cache_hits: int = 0  # graphs loaded from the persistent cache (NOTE [persistent cache])
+    disk_cache_stores: int = 0  # ... and written to it
 
     @property
     def reexports(self) -> int:
@@ -106,6 +110,7 @@ class ORTModule(nn.Module):
         verify: bool | None = None,
         verify_tolerance: VerifyTolerance | None = None,
         frontend: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -114,7 +119,8 @@ class ORTModule(nn.Module):
             raise TypeError("module is already an ORTModule")
         self._original_module = module
         self._register_load_state_dict_pre_hook(ORTModule._unwrap_keys, with_module=True)
-        self._options = Options.resolve(fallback, cache_size, debug, verify, verify_tolerance, frontend)
+        self._options = Options.resolve(fallback, cache_size, debug, verify, verify_tolerance, frontend,
+                                        cache_dir)
         self._init_runtime_state()
         self._expose_signature()
 
@@ -403,12 +409,23 @@ class ORTModule(nn.Module):
         exported = self._export(sig, *args, dynamic=False)
         return exported, self._build(exported, device, requires_grad)
 
+    def _disk_cache(self) -> DiskCache | None:
+        folder = self._options.cache_dir
+        return None if folder is None else DiskCache(folder)
+
     def _build(self, exported, device, requires_grad) -> CompiledEntry:
-        if requires_grad is not None:
+        disk = self._disk_cache() if exported.cache_key is not None and requires_grad is not None else None
+        key = prebuilt = None
+        if disk is not None:  # NOTE [persistent cache]
+            key = disk_cache.training_key(exported, requires_grad)
+            prebuilt = disk.load("training", key)
+            if prebuilt is not None:
+                self._stats.disk_cache_hits += 1
+        if requires_grad is not None and prebuilt is None:
             self._stats.gradient_builds += 1
         try:
             entry = CompiledEntry(exported, device, requires_grad, stats=self._stats,
-                                  profile_prefix=self._options.debug.profile_prefix)
+                                  profile_prefix=self._options.debug.profile_prefix, prebuilt=prebuilt)
         except ORTModuleError:
             raise
         except Exception as exc:  # partition/shape bookkeeping on a graph we did not foresee
@@ -420,6 +437,8 @@ class ORTModule(nn.Module):
             entry.create_sessions()
         except Exception as exc:
             raise ExportError(f"onnxruntime could not load the graph: {type(exc).__name__}: {exc}") from exc
+        if key is not None and prebuilt is None and disk.store("training", key, (entry.graphs, entry.backward_model)):
+            self._stats.disk_cache_stores += 1
         return entry
 
     def _export_for(self, sig, flat, params, param_names, buffers, buffer_names) -> ExportedModel:
@@ -451,6 +470,31 @@ class ORTModule(nn.Module):
 
     def _export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool,
                 batch_only: bool = False) -> ExportedModel:
+        args = (sig, flat, params, param_names, buffers, buffer_names)
+        disk = self._disk_cache()
+        if disk is None:
+            return self._run_export(*args, dynamic=dynamic, batch_only=batch_only)
+        # NOTE [persistent cache]: the key is taken before the export runs the forward (which may set
+        # attributes), in every process alike.
+        key = disk_cache.export_key(self.module, sig.export_key(), self._options.frontend, (dynamic, batch_only))
+        exported = disk.load("export", key)
+        if exported is None:
+            with disk.exclusive(key):
+                exported = disk.load("export", key)  # another process may have built it meanwhile
+                if exported is None:
+                    exported = self._run_export(*args, dynamic=dynamic, batch_only=batch_only)
+                    exported.cache_key = key
+                    sources = disk_cache.source_files(self.module, exported.source_files)
+                    if disk.store("export", key, exported, sources):
+                        self._stats.disk_cache_stores += 1
+                    return exported
+        disk_cache.register_output_types(exported.output_spec.spec)
+        self._stats.disk_cache_hits += 1
+        logger.info("loaded %s's graph from the compile cache %s", type(self.module).__name__, disk.folder)
+        return exported
+
+    def _run_export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool,
+                    batch_only: bool = False) -> ExportedModel:
         t0 = time.perf_counter()
         with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
             export = export_program if self._options.frontend == "export" else export_module

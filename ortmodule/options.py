@@ -20,6 +20,11 @@ Environment variables (read when an ORTModule is created; constructor arguments 
                            torch.export + onnxscript's torchlib, symbolic shapes with guards;
                            ``ortmodule/export/program.py``) or ``torchscript`` (the legacy tracer,
                            which torch deprecates; kept as an opt-in while both pass the suite).
+``ORTMODULE_CACHE_DIR``    a folder: the persistent compile cache (``cache_dir=``). Exported
+                           forward graphs and built training graphs are kept there, so a new
+                           process (a restart, the other ranks) skips the export; see NOTE
+                           [persistent cache] in ``ortmodule/runtime/disk_cache.py``. Unset
+                           (default): nothing is written.
 ========================== =================================================================
 """
 
@@ -81,6 +86,7 @@ class Options:
     verify: bool = False
     verify_tolerance: VerifyTolerance = dataclasses.field(default_factory=VerifyTolerance)
     frontend: str = FRONTENDS[0]
+    cache_dir: str | None = None  # NOTE [persistent cache]
 
     @classmethod
     def resolve(
@@ -91,6 +97,7 @@ class Options:
         verify: bool | None = None,
         verify_tolerance: VerifyTolerance | None = None,
         frontend: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> Options:
         env_fallback = os.environ.get("ORTMODULE_FALLBACK")
         policy = fallback or env_fallback or FallbackPolicy.FALLBACK
@@ -119,5 +126,7 @@ class Options:
         frontend = (frontend or os.environ.get("ORTMODULE_FRONTEND") or FRONTENDS[0]).strip().lower()
         if frontend not in FRONTENDS:
             raise ValueError(f"unknown frontend {frontend!r}; use one of {list(FRONTENDS)}")
+        folder = cache_dir if cache_dir is not None else os.environ.get("ORTMODULE_CACHE_DIR") or None
         return cls(fallback=policy, cache_size=size, debug=debug, verify=bool(verify),
-                   verify_tolerance=verify_tolerance, frontend=frontend)
+                   verify_tolerance=verify_tolerance, frontend=frontend,
+                   cache_dir=None if folder is None else os.fspath(folder))

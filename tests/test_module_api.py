@@ -975,3 +975,37 @@ def test_forward_not_rerun_after_first_call():
     for _ in range(3):
         wrapped(torch.randn(8, 4)).sum().backward()
     assert counter.count == 1
+
+
+class _Box:
+    """Not a pytree node: ortmodule cannot see the tensor inside."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class ReturnsBox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y, _Box(y * 2)
+
+
+def test_an_output_object_holding_tensors_falls_back_naming_it():
+    """NOTE [opaque outputs]: the trace's object (fake or stale tensors) is never returned."""
+    model = ReturnsBox()
+    om = ORTModule(copy.deepcopy(model))
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            y, box = om(x)
+        ref_y, ref_box = model(x)
+        assert type(box.t) is torch.Tensor
+        assert_close(box.t, ref_box.t, 1e-6, "the boxed tensor")
+        assert_close(y, ref_y, 1e-6, "y")
+    assert om.stats.fallbacks == 1
+    assert "_Box holding tensors" in om.stats.last_fallback_reason

@@ -97,6 +97,26 @@ def test_gpt2_lm_parity_with_tied_embeddings():
     assert counter.count == 0
 
 
+def test_gpt2_past_key_values_are_each_calls_own():
+    """NOTE [opaque outputs]: ``use_cache`` (GPT-2's default) returns a DynamicCache; its key/value
+    tensors are graph outputs, not the trace's fake tensors kept in the output template."""
+    model = gpt2()
+    eager = copy.deepcopy(model)
+    wrapped = ORTModule(model, fallback="raise")
+    caches = []
+    for batch in gpt2_batches(2):
+        out, ref = wrapped(**batch), eager(**batch)
+        assert type(out.past_key_values) is type(ref.past_key_values)
+        for i, (a, b) in enumerate(zip(out.past_key_values.layers, ref.past_key_values.layers)):
+            assert type(a.keys) is torch.Tensor and type(a.values) is torch.Tensor
+            assert_close(a.keys, b.keys, 1e-4, f"layer {i} keys")
+            assert_close(a.values, b.values, 1e-4, f"layer {i} values")
+        out.loss.backward()
+        caches.append(out.past_key_values)
+    assert caches[0] is not caches[1]
+    assert not torch.equal(caches[0].layers[0].keys, caches[1].layers[0].keys)
+
+
 def _roberta():
     cfg = transformers.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=40, pad_token_id=1)

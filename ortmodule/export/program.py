@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -260,6 +261,14 @@ class ShapeGuard:
         source = " and ".join(f"({c})" for c in self.code) or "True"
         object.__setattr__(self, "_check", eval(f"lambda L: {source}", {"__builtins__": {}}))  # noqa: S307
 
+    def __getstate__(self) -> dict:  # the compiled check is rebuilt (NOTE [persistent cache])
+        return {k: v for k, v in self.__dict__.items() if k != "_check"}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self.__post_init__()
+
     def covers(self, shapes: Sequence[Sequence[int]]) -> bool:
         """Whether the graph serves these user input shapes (parameters and buffers are fixed)."""
         shapes = [*shapes, *self.fixed[len(shapes):]]
@@ -424,6 +433,7 @@ def export_program(
     trap = wrapper.watch.failure()
     if trap is not None:
         raise ExportError(f"{name}: {trap}")
+    traced = _traced_files(ep)
     if wrapper.output_spec is None:
         raise ExportError(f"{name}.forward was not traced")
     try:
@@ -465,7 +475,21 @@ def export_program(
         batch_only=dynamic and batch_only,
         input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
         guard=guard,
+        source_files=traced,
     )
+
+
+_FILE_RE = re.compile(r'File "([^"]+)", line')
+
+
+def _traced_files(ep) -> tuple[str, ...]:
+    """The files the program's nodes' stack traces name (NOTE [persistent cache])."""
+    files = set()
+    for node in ep.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace:
+            files.update(_FILE_RE.findall(trace))
+    return tuple(sorted(f for f in files if not f.startswith("<")))
 
 
 class _Captured(_Flat):

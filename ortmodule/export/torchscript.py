@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
-from ..io import FlatInputs, OutputSpec, flatten_outputs
+from ..io import FlatInputs, OutputSpec, flatten_outputs, holds_tensors
 from .semantics import (
     ExportSemantics,
     MaskSpec,
@@ -85,6 +85,10 @@ class ExportedModel:
     grad_mask: tuple[bool, ...] | None = None
     # The torch.export front end: the input shapes the graph serves (NOTE [shape guards]).
     guard: ShapeGuard | None = None
+    # The source files torch.export's stack traces name (NOTE [persistent cache]).
+    source_files: tuple[str, ...] = ()
+    # The persistent cache's key of this export, where one is in use (NOTE [persistent cache]).
+    cache_key: str | None = None
 
 
 @contextlib.contextmanager
@@ -162,6 +166,14 @@ class _Flat(nn.Module):
                     self.forward_error = exc
                 raise
         outs, self.output_spec = flatten_outputs(out, user)
+        # NOTE [opaque outputs]: an object the output holds that pytree cannot see into would come
+        # back as the trace's own object, every call: its tensors fake or stale.
+        opaque = sorted({type(x).__name__ for x in self.output_spec.template if holds_tensors(x)})
+        if opaque:
+            raise UnsupportedTrace(
+                f"forward returns {', '.join(opaque)} holding tensors inside an object ortmodule cannot see "
+                "into, so they would be the trace's, not this call's; register its type with "
+                "torch.utils._pytree.register_pytree_node (or return its tensors)")
         self.num_user_outputs = len(outs)
         # NOTE [buffer writes]: under torch.export the BatchNorm statistics are new values, not
         # in-place writes (semantics.py), which spares the functionalizing re-trace.

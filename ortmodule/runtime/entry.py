@@ -17,7 +17,8 @@ from .session import GraphRunner, make_session_options
 
 
 class CompiledEntry:
-    """The forward graph of one signature and, when gradients are needed, its training graphs.
+    """The forward graph of one signature and, when gradients are needed, its training graphs
+    (built here, or ``prebuilt``: loaded from the persistent cache).
 
     Sessions are created on first use or by :meth:`create_sessions` (ORTModule calls it when it
     builds the entry, so that load errors can still fall back to eager).
@@ -30,6 +31,7 @@ class CompiledEntry:
         requires_grad: dict[str, bool] | None,
         stats=None,
         profile_prefix: str | None = None,
+        prebuilt: tuple[TrainingGraphs, onnx.ModelProto] | None = None,
     ) -> None:
         self.exported = exported
         self.profile_prefix = profile_prefix
@@ -48,7 +50,9 @@ class CompiledEntry:
         self._unreached: dict[frozenset[int], frozenset[str]] = {}  # NOTE [unreached targets]
         # The backward model the session runs: ``graphs.backward`` after the backward passes.
         self.backward_model: onnx.ModelProto | None = None
-        if requires_grad is not None:
+        if requires_grad is not None and prebuilt is not None:  # NOTE [persistent cache]
+            self.graphs, self.backward_model = prebuilt
+        elif requires_grad is not None:
             t0 = time.perf_counter()
             self.graphs = build_training_graphs(exported, requires_grad)
             self.backward_model = _for_session(self.graphs.backward)
