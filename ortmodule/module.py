@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import sys
 import threading
 import time
 import warnings
@@ -111,16 +112,21 @@ class ORTModule(nn.Module):
         verify_tolerance: VerifyTolerance | None = None,
         frontend: str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        memory_opt_level: int | None = None,
+        memory_opt_config: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTModule wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, ORTModule):
             raise TypeError("module is already an ORTModule")
+        inner = _sharded_inside(module)
+        if inner is not None:
+            raise ValueError(_SHARDED_INSIDE.format(inner))
         self._original_module = module
         self._register_load_state_dict_pre_hook(ORTModule._unwrap_keys, with_module=True)
         self._options = Options.resolve(fallback, cache_size, debug, verify, verify_tolerance, frontend,
-                                        cache_dir)
+                                        cache_dir, memory_opt_level, memory_opt_config)
         self._init_runtime_state()
         self._expose_signature()
 
@@ -200,8 +206,9 @@ class ORTModule(nn.Module):
             return getattr(self._modules["_original_module"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # ``__class__`` too is the wrapper's: fully_shard(wrapper) makes it an FSDPModule subclass.
         if name in ORTModule._own_attrs or "_original_module" not in self.__dict__.get("_modules", {}) \
-                or name in self.__dict__:
+                or name in self.__dict__ or (name.startswith("__") and name.endswith("__")):
             super().__setattr__(name, value)
         else:
             setattr(self._modules["_original_module"], name, value)
@@ -217,6 +224,12 @@ class ORTModule(nn.Module):
         inner = prefix + "_original_module."
         for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
             state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """NOTE [nested wrapper]: torch.distributed.checkpoint's state-dict helpers (get_state_dict /
+        set_state_dict, used with FSDP) name state by walking the module tree; this hides the
+        ``_original_module`` level there as state_dict() and named_parameters() do."""
+        return dict.fromkeys(self.module._modules, "_original_module")
 
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
         """Registers on the wrapped module (the wrapper is transparent: named_buffers, state_dict)."""
@@ -330,6 +343,12 @@ class ORTModule(nn.Module):
                     f"unsupported input type(s) {sorted(set(bad))}: inputs must be tensors, Python "
                     "scalars/strings/None, or tuples, lists, dicts and dataclasses of them"
                 )
+            inner = _sharded_inside(self.module)
+            if inner is not None:
+                raise ExportError(_SHARDED_INSIDE.format(inner))
+            if self._options.frontend == "torchscript" and _is_fsdp(self):
+                raise ExportError("fully_shard(wrapper) needs the torch.export front end (frontend='export', the "
+                                  "default): the TorchScript tracer cannot trace FSDP's gathered parameters")
             entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
         except (ExportError, GradientRuleError) as exc:
             if self._options.fallback is FallbackPolicy.RAISE and not isinstance(exc, CaptureError):
@@ -417,7 +436,7 @@ class ORTModule(nn.Module):
         disk = self._disk_cache() if exported.cache_key is not None and requires_grad is not None else None
         key = prebuilt = None
         if disk is not None:  # NOTE [persistent cache]
-            key = disk_cache.training_key(exported, requires_grad)
+            key = disk_cache.training_key(exported, requires_grad, self._options.recompute)
             prebuilt = disk.load("training", key)
             if prebuilt is not None:
                 self._stats.disk_cache_hits += 1
@@ -425,7 +444,8 @@ class ORTModule(nn.Module):
             self._stats.gradient_builds += 1
         try:
             entry = CompiledEntry(exported, device, requires_grad, stats=self._stats,
-                                  profile_prefix=self._options.debug.profile_prefix, prebuilt=prebuilt)
+                                  profile_prefix=self._options.debug.profile_prefix, prebuilt=prebuilt,
+                                  recompute=self._options.recompute)
         except ORTModuleError:
             raise
         except Exception as exc:  # partition/shape bookkeeping on a graph we did not foresee
@@ -545,6 +565,32 @@ class ORTModule(nn.Module):
         return export_inference(
             self.module, path, args, kwargs, dynamic_axes=dynamic_axes, optimized_path=optimized_path
         )
+
+
+# NOTE [FSDP order]: fully_shard's hooks all-gather a unit's parameters before its forward and free
+# them after; inside the graph no submodule's forward runs, so its hooks would never fire. The
+# wrapper is sharded instead: ORTModule(model) first, then fully_shard(wrapper) (README).
+_SHARDED_INSIDE = (
+    "submodule {!r} was sharded with fully_shard before ORTModule wrapped it: FSDP's hooks on it would "
+    "never run inside the ONNX Runtime graph. Apply ORTModule first, then fully_shard the wrapper "
+    "(model = ORTModule(model); fully_shard(model)), or put the ORTModule inside an eager FSDP root"
+)
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and isinstance(module, cls)
+
+
+def _sharded_inside(module: nn.Module) -> str | None:
+    """The path of a submodule of ``module`` that fully_shard manages, if any (NOTE [FSDP order])."""
+    if sys.modules.get("torch.distributed.fsdp") is None:
+        return None
+    for name, m in module.named_modules():
+        if _is_fsdp(m) and not isinstance(m, ORTModule):
+            return name or "<the module itself>"
+    return None
 
 
 def _autocast_state() -> tuple:

@@ -20,6 +20,12 @@ Environment variables (read when an ORTModule is created; constructor arguments 
                            torch.export + onnxscript's torchlib, symbolic shapes with guards;
                            ``ortmodule/export/program.py``) or ``torchscript`` (the legacy tracer,
                            which torch deprecates; kept as an opt-in while both pass the suite).
+``ORTMODULE_MEMORY_OPT_LEVEL`` ``memory_opt_level=``: ``0`` (default) saves what the backward reads
+                           except cheap recomputable values; ``1`` recomputes each repeated
+                           block (transformer layer) in the backward from its input. NOTE
+                           [recompute] in ``ortmodule/recompute.py``.
+``ORTMODULE_MEMORY_OPT_CONFIG`` ``memory_opt_config=``: a plan list, ``"Erf:-1,Softmax:2"``: saved
+                           values produced by these op types (first N; -1 all) are recomputed.
 ``ORTMODULE_CACHE_DIR``    a folder: the persistent compile cache (``cache_dir=``). Exported
                            forward graphs and built training graphs are kept there, so a new
                            process (a restart, the other ranks) skips the export; see NOTE
@@ -34,6 +40,8 @@ import dataclasses
 import enum
 import logging
 import os
+
+from .recompute import RecomputePolicy
 
 logger = logging.getLogger("ortmodule")
 
@@ -87,6 +95,7 @@ class Options:
     verify_tolerance: VerifyTolerance = dataclasses.field(default_factory=VerifyTolerance)
     frontend: str = FRONTENDS[0]
     cache_dir: str | None = None  # NOTE [persistent cache]
+    recompute: RecomputePolicy = dataclasses.field(default_factory=RecomputePolicy)  # NOTE [recompute]
 
     @classmethod
     def resolve(
@@ -98,6 +107,8 @@ class Options:
         verify_tolerance: VerifyTolerance | None = None,
         frontend: str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        memory_opt_level: int | None = None,
+        memory_opt_config: str | None = None,
     ) -> Options:
         env_fallback = os.environ.get("ORTMODULE_FALLBACK")
         policy = fallback or env_fallback or FallbackPolicy.FALLBACK
@@ -129,4 +140,5 @@ class Options:
         folder = cache_dir if cache_dir is not None else os.environ.get("ORTMODULE_CACHE_DIR") or None
         return cls(fallback=policy, cache_size=size, debug=debug, verify=bool(verify),
                    verify_tolerance=verify_tolerance, frontend=frontend,
-                   cache_dir=None if folder is None else os.fspath(folder))
+                   cache_dir=None if folder is None else os.fspath(folder),
+                   recompute=RecomputePolicy.resolve(memory_opt_level, memory_opt_config))

@@ -19,6 +19,7 @@ from .export import ExportedModel
 from .export.torchscript import input_name, mask_name
 from .passes import lower_softmax_cross_entropy, run_forward_passes, score_ranks
 from .passes.proto import apply_inferred_types
+from .recompute import RecomputePlan, RecomputePolicy, gate_groups, plan_recompute
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
 # Size and the integer arithmetic on their results) run in the forward model instead: saving a
@@ -51,6 +52,7 @@ class TrainingGraphs:
     # NOTE [unreached targets]: per ``grad_targets`` entry, the user outputs (indices into
     # ``diff_outputs``' values) whose gradient can reach it through differentiable values.
     target_outputs: list[frozenset[int]] = dataclasses.field(default_factory=list)
+    recompute: RecomputePlan | None = None  # NOTE [recompute]
 
 
 def _value_info(v: ir.Value, name: str | None = None) -> onnx.ValueInfoProto:
@@ -186,8 +188,24 @@ def _reached_from(outputs: dict[int, ir.Value], active: set[ir.Value], wrt: Sequ
     return {v: frozenset(r) for v, r in reached.items()}
 
 
-def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool]) -> TrainingGraphs:
-    """Autodiff + partition of ``exported`` for the inputs whose name maps to True in ``requires_grad``."""
+def _read_from_forward(bwd_nodes: Sequence[ir.Node], grad_inputs: set[ir.Value], init_values: set[ir.Value]
+                       ) -> list[ir.Value]:
+    produced = {o for n in bwd_nodes for o in n.outputs}
+    seen: set[ir.Value] = set()
+    out = []
+    for node in bwd_nodes:
+        for v in node.inputs:
+            if v is None or v in seen or v in produced or v in grad_inputs or v in init_values:
+                continue
+            seen.add(v)
+            out.append(v)
+    return out
+
+
+def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool],
+                          policy: RecomputePolicy | None = None) -> TrainingGraphs:
+    """Autodiff + partition of ``exported`` for the inputs whose name maps to True in ``requires_grad``;
+    ``policy`` decides which saved values are recomputed instead (NOTE [recompute])."""
     model = ir.from_proto(exported.model)
     graph = model.graph
     initializers = [ir.serde.serialize_tensor(v.const_value) for v in graph.initializers.values()]
@@ -200,8 +218,9 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     active = differentiable_values(graph, wrt)
     diff_outputs = [i for i in range(n_user) if outputs[i] in active]
     fwd_nodes = list(graph)
+    dims = reference_dim_values(exported) if exported.dynamic else {}
     grad = build_gradient(graph, wrt, [outputs[i] for i in diff_outputs], opset=exported.opset,
-                          dim_values=reference_dim_values(exported) if exported.dynamic else None)
+                          dim_values=dims if exported.dynamic else None)
 
     # Name every new value uniquely by adding the nodes to the graph (its name authority), then
     # take them out again: the split below only needs names.
@@ -237,6 +256,8 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     bwd_nodes = _needed_nodes([n for n in bwd_all if n not in moved_set], bwd_result_values)
     views = _recomputed_views(fwd_nodes, bwd_nodes, set(inputs) | set(outputs))
     bwd_nodes = views + bwd_nodes
+    bwd_nodes, plan = plan_recompute(fwd_nodes, bwd_nodes, _read_from_forward(bwd_nodes, grad_inputs, init_values),
+                                     set(inputs) | set(outputs), policy or RecomputePolicy(), dims, grad_inputs)
     # Constant nodes of the forward that the backward reads are copied there rather than saved.
     in_backward = set(bwd_nodes)
     copied: list[ir.Node] = []
@@ -300,6 +321,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         "ortmodule_backward",
     )
     backward.graph.node.extend(extra_nodes)
+    gate_groups(backward, plan.gates)  # NOTE [recompute order]
     # The recomputed views keep their known shapes (the backward passes read them).
     backward.graph.value_info.extend(_value_info(o) for n in views for o in n.outputs if o.dtype is not None)
     return TrainingGraphs(
@@ -314,4 +336,5 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         backward_inputs=[v.name for v in saved] + [v.name for v in grad_out_vals],
         backward_outputs=out_names,
         target_outputs=[reached[t] for t, _ in targets],
+        recompute=plan,
     )

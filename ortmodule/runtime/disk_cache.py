@@ -244,11 +244,12 @@ def export_key(module: nn.Module, signature: Any, frontend: str, options: tuple)
                     repr(signature), module_fingerprint(module)))
 
 
-def training_key(exported: Any, requires_grad: dict[str, bool]) -> str:
-    """The key of the training graphs built from ``exported``: its graph's hash and the grad mask."""
+def training_key(exported: Any, requires_grad: dict[str, bool], recompute: Any = None) -> str:
+    """The key of the training graphs built from ``exported``: its graph's hash, the grad mask and
+    the recompute policy (NOTE [recompute])."""
     graph = hashlib.sha256(exported.model.SerializeToString(deterministic=True)).hexdigest()
     return _digest(("training", versions(), graph, exported.num_user_outputs, exported.mutated_buffers,
-                    tuple(sorted(requires_grad.items()))))
+                    tuple(sorted(requires_grad.items())), repr(recompute)))
 
 
 # -- source files --------------------------------------------------------------------------------

@@ -9,10 +9,12 @@ import torch
 
 from ..export import ExportedModel
 from ..export.torchscript import is_state_input
+from ..options import logger
 from ..partition import TrainingGraphs, build_training_graphs
 from ..passes import optimize_inference
 from ..passes.backward import run_backward_passes
 from ..passes.zero_grads import specialise_zero_grads
+from ..recompute import RecomputePolicy
 from .session import GraphRunner, make_session_options
 
 
@@ -32,6 +34,7 @@ class CompiledEntry:
         stats=None,
         profile_prefix: str | None = None,
         prebuilt: tuple[TrainingGraphs, onnx.ModelProto] | None = None,
+        recompute: RecomputePolicy | None = None,
     ) -> None:
         self.exported = exported
         self.profile_prefix = profile_prefix
@@ -54,7 +57,9 @@ class CompiledEntry:
             self.graphs, self.backward_model = prebuilt
         elif requires_grad is not None:
             t0 = time.perf_counter()
-            self.graphs = build_training_graphs(exported, requires_grad)
+            self.graphs = build_training_graphs(exported, requires_grad, recompute)
+            if self.graphs.recompute is not None and self.graphs.recompute.recomputed:
+                logger.info("%s", self.graphs.recompute.table())
             self.backward_model = _for_session(self.graphs.backward)
             if stats is not None:
                 stats.gradient_build_s += time.perf_counter() - t0
