@@ -17,6 +17,7 @@ from .errors import MODULE_PATH_KEY
 from .export.torchscript import input_name
 from .io import flatten_inputs
 from .options import DebugOptions, FallbackPolicy, logger
+from .recompute import RecomputePlan
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ class Explanation:
     falls_back: bool | None = None  # None: not run through the pipeline (built by hand)
     reason: str | None = None  # the call's Stats.last_fallback_reason
     call_error: str | None = None  # the call raises (not a fallback): e.g. ORT failed at run time
+    recompute: RecomputePlan | None = None  # the training graphs' recompute plan (NOTE [recompute])
 
     @property
     def would_fall_back(self) -> bool:
@@ -84,6 +86,8 @@ class Explanation:
             lines.extend(f"    - {m}" for m in self.missing_rules)
             if not self.needs_grad:
                 lines.append("  (this call needs no gradients, so they do not matter here)")
+        if self.recompute is not None:
+            lines.extend("  " + line for line in self.recompute.table().splitlines())
         if self.call_error is not None:
             lines.append(f"  the call RAISES: {self.call_error}")
         elif self.would_fall_back:
@@ -120,6 +124,8 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
     devices = {t.device for t in [*flat.tensors, *params]}
     state = StateSnapshot(module, list(devices))
     probe = ORTModule(module, fallback=FallbackPolicy.FALLBACK, debug=debug, verify=False)
+    if wrapper is not None:  # the wrapper's recompute policy, not the environment's
+        probe._options = dataclasses.replace(probe._options, recompute=wrapper.options.recompute)
     call_error = None
     try:
         with warnings.catch_warnings():
@@ -139,6 +145,7 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
                            falls_back=stats.fallbacks > 0, reason=stats.last_fallback_reason,
                            call_error=None if stats.fallbacks else call_error)
     exported = exports[-1]
+    plans = [e.graphs.recompute for e in entries if getattr(e, "graphs", None) is not None]
     graph = ir.from_proto(exported.model).graph
     ops = collections.Counter(
         (f"{n.domain}::" if n.domain else "") + n.op_type for n in graph
@@ -162,6 +169,7 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         falls_back=stats.fallbacks > 0,
         reason=stats.last_fallback_reason,
         call_error=call_error,
+        recompute=plans[-1] if plans else None,
     )
 
 

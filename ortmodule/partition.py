@@ -257,7 +257,8 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     views = _recomputed_views(fwd_nodes, bwd_nodes, set(inputs) | set(outputs))
     bwd_nodes = views + bwd_nodes
     bwd_nodes, plan = plan_recompute(fwd_nodes, bwd_nodes, _read_from_forward(bwd_nodes, grad_inputs, init_values),
-                                     set(inputs) | set(outputs), policy or RecomputePolicy(), dims, grad_inputs)
+                                     set(inputs) | set(outputs), policy or RecomputePolicy(), dims, grad_inputs,
+                                     exported.checkpoint_regions)
     # Constant nodes of the forward that the backward reads are copied there rather than saved.
     in_backward = set(bwd_nodes)
     copied: list[ir.Node] = []

@@ -13,6 +13,9 @@
 #   siblings also occur), only the values the block reads from outside it are saved (its input,
 #   the attention mask, the dropout masks); everything the backward needs inside the block is
 #   recomputed in the backward, block by block, right before that block's gradient nodes.
+# - ``torch.utils.checkpoint`` regions in the user's forward are recomputed like level-1 blocks at
+#   every level (NOTE [checkpoint regions] in ``export/traps.py``): the region runs once, in the
+#   graph, and again inside the backward graph; never twice in eager.
 # - a plan list (``memory_opt_config=`` / ``ORTMODULE_MEMORY_OPT_CONFIG``): ``"Erf:-1,Softmax:2"``
 #   recomputes saved values produced by these op types (a cluster: inputs produced by listed ops
 #   are recomputed too), for the first N occurrences (-1: all).
@@ -91,6 +94,7 @@ class RecomputePlan:
     policy: RecomputePolicy
     recomputed: list[tuple[str, str, str, int | None]]  # (value, op type, module path, bytes)
     saved_instead: list[tuple[str, int | None]]  # values saved because a recompute reads them
+    saved: list[tuple[str, int | None]] = dataclasses.field(default_factory=list)  # what the forward still saves
     nodes: int = 0  # forward nodes run again in the backward
     extra_flops: int = 0  # estimated, at the export-time sizes
     # NOTE [recompute order]: (trigger value, first-output names of the group's nodes, the values
@@ -103,10 +107,12 @@ class RecomputePlan:
 
     def summary(self) -> str:
         plan = f", plan {list(self.policy.plan)}" if self.policy.plan else ""
+        kept = sum(b or 0 for _, b in self.saved)
         return (f"recompute (level {self.policy.level}{plan}): "
                 f"{len(self.recomputed)} saved values recomputed by {self.nodes} nodes, {len(self.saved_instead)} "
-                f"saved instead; {self.bytes_saved / 2**20:.1f} MB less saved per step at the export-time sizes, "
-                f"~{self.extra_flops / 1e9:.2f} GFLOP more")
+                f"saved instead; {self.bytes_saved / 2**20:.1f} MB less saved per step at the export-time sizes "
+                f"({len(self.saved)} values, {kept / 2**20:.1f} MB still saved), "
+                f"~{self.extra_flops / 1e9:.2f} GFLOP more per step")
 
     def table(self, limit: int = 40) -> str:
         rows = [self.summary(), f"  {'value':<28} {'op':<14} {'bytes':>12}  module"]
@@ -135,6 +141,21 @@ def _blocks(nodes: Sequence[ir.Node]) -> dict[ir.Node, str]:
         for i, part in enumerate(parts):
             if _INDEX.fullmatch(part) and len(indices.get(".".join(parts[:i]), ())) >= 2:
                 out[node] = ".".join(parts[: i + 1])
+                break
+    return out
+
+
+def _regions(nodes: Sequence[ir.Node], regions: Sequence[str]) -> dict[ir.Node, str]:
+    """Each node's checkpoint region: the longest region path its module path lies in."""
+    if not regions:
+        return {}
+    by_length = sorted(regions, key=len, reverse=True)
+    out = {}
+    for node in nodes:
+        path = _path(node)
+        for r in by_length:
+            if r == "" or path == r or path.startswith(r + "."):
+                out[node] = f"checkpoint:{r}"
                 break
     return out
 
@@ -180,12 +201,15 @@ def plan_recompute(
     policy: RecomputePolicy,
     dims: dict[str, int],
     grad_inputs: set[ir.Value] = frozenset(),
+    regions: Sequence[str] = (),
 ) -> tuple[list[ir.Node], RecomputePlan]:
     """The backward node list with recompute groups inserted, and the plan (NOTE [recompute]).
 
     ``saved`` are the values the backward reads from the forward; ``free`` those that cost nothing
     to save (graph inputs, user outputs, mutated buffers: alive anyway); ``grad_inputs`` the
-    backward's output-gradient inputs (NOTE [recompute order] gates groups on values made from them)."""
+    backward's output-gradient inputs (NOTE [recompute order] gates groups on values made from them);
+    ``regions`` the module paths run under torch.utils.checkpoint (NOTE [checkpoint regions]): at
+    every level they are recomputed like level-1 blocks."""
     producer = {o: n for n in fwd_nodes for o in n.outputs}
     groups: dict[str, list[ir.Node]] = {}
     group_of: dict[ir.Node, str] = {}
@@ -198,6 +222,7 @@ def plan_recompute(
             groups.setdefault(group, []).append(node)
 
     blocks = _blocks(fwd_nodes) if policy.level >= 1 else {}
+    blocks.update(_regions(fwd_nodes, regions))
 
     def grow(v: ir.Value, group: str, inside) -> None:
         stack = [v]
@@ -251,7 +276,8 @@ def plan_recompute(
                     changed = True
     recomputed_nodes = set(group_of)
     if not recomputed_nodes:
-        return list(bwd_nodes), RecomputePlan(policy, [], [])
+        return list(bwd_nodes), RecomputePlan(policy, [], [], saved=[(v.name, nbytes(v, dims)) for v in saved
+                                                                     if v not in free])
 
     # Insert each group (forward order) before the first backward node that reads one of its values.
     order = {n: i for i, n in enumerate(fwd_nodes)}
@@ -295,7 +321,9 @@ def plan_recompute(
                  and u.const_value is None and producer.get(u) is not None and producer[u].op_type != "Constant"]
     recomputed = [(v.name, producer[v].op_type, _path(producer[v]), nbytes(v, dims))
                   for v in saved if v in produced_by_groups]
+    still = [v for v in saved if v not in produced_by_groups and v not in free] + new_saved
     plan = RecomputePlan(policy, recomputed, [(u.name, nbytes(u, dims)) for u in new_saved],
+                         saved=[(v.name, nbytes(v, dims)) for v in still],
                          nodes=len(recomputed_nodes), extra_flops=sum(_flops(n, dims) for n in recomputed_nodes),
                          gates=gates)
     return out, plan

@@ -40,7 +40,7 @@ from .torchscript import (
     input_name,
     mask_name,
 )
-from .traps import TraceWatch, input_write_message, parameter_write_message
+from .traps import TraceWatch, checkpoint_paths, input_write_message, parameter_write_message
 
 OPSET = 20
 _lock = threading.Lock()
@@ -476,6 +476,7 @@ def export_program(
         input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
         guard=guard,
         source_files=traced,
+        checkpoint_regions=checkpoint_paths(module, wrapper.watch.checkpoints),
     )
 
 

@@ -27,6 +27,7 @@ from .traps import (
     TraceWatch,
     UnsupportedTrace,
     backward_hook_failure,
+    checkpoint_paths,
     input_write_message,
     intercept_functions,
     watch_forward_hooks,
@@ -89,6 +90,8 @@ class ExportedModel:
     source_files: tuple[str, ...] = ()
     # The persistent cache's key of this export, where one is in use (NOTE [persistent cache]).
     cache_key: str | None = None
+    # The module paths the forward ran under torch.utils.checkpoint (NOTE [checkpoint regions]).
+    checkpoint_regions: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -272,6 +275,7 @@ def export_module(
         input_shapes=tuple(tuple(t.shape) for t in flat.tensors),
         shape_conditions=tuple(dict.fromkeys(str(c) for c in wrapper.watch.shape_conditional)),
         grad_mask=grad_mask(flat.tensors, params) if wrapper.watch.grad_sensitive else None,
+        checkpoint_regions=checkpoint_paths(module, wrapper.watch.checkpoints),
     )
 
 

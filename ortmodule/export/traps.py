@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from ..errors import user_location
+
+logger = logging.getLogger("ortmodule")
 
 CONSTANT, SHAPE, VALUE = 0, 1, 2
 
@@ -92,6 +96,7 @@ class TraceWatch:
         self._memo: dict[tuple[int, bool], int] = {}
         self._param_storage: dict[int, str] = {}
         self._data_views: dict[int, str] = {}  # storage of a traced ``x.data`` -> where it was read
+        self.checkpoints: list[object] = []  # what each torch.utils.checkpoint call ran (NOTE [checkpoint regions])
 
     def watch_inputs(self, user: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
                      grad_sources: Sequence[torch.Tensor] = ()) -> None:
@@ -276,6 +281,14 @@ def _is_torch_hook(hook) -> bool:
     return mod.startswith("torch.")
 
 
+def _marks_requires_grad(hook) -> bool:
+    """transformers' ``enable_input_require_grads`` hook (installed by gradient_checkpointing_enable):
+    ``output.requires_grad_(True)`` on the input embeddings, so that a reentrant checkpoint gets an
+    input that requires grad when they are frozen. It runs in the trace (the checkpoint trap sees
+    its effect), and inside the graph gradients reach the trainable parameters without it."""
+    return getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
+
+
 @contextlib.contextmanager
 def watch_forward_hooks(module: torch.nn.Module, watch: TraceWatch) -> Iterator[None]:
     """NOTE [trace traps]: a forward hook on a submodule runs during the trace only. One that returns
@@ -287,7 +300,7 @@ def watch_forward_hooks(module: torch.nn.Module, watch: TraceWatch) -> Iterator[
     def wrap(hook, where: str, kind: str):
         def run(*args, **kwargs):
             result = hook(*args, **kwargs)
-            if result is None and not _is_torch_hook(hook):
+            if result is None and not _is_torch_hook(hook) and not _marks_requires_grad(hook):
                 name = getattr(hook, "__qualname__", type(hook).__qualname__)
                 watch.other.append(
                     f"the forward {kind} {name!r} on {where} returns None (it acts by side effects, e.g. "
@@ -455,9 +468,19 @@ def _install_apply_hook() -> None:
     with _installed:
         if getattr(base.apply, "_ortmodule_hook", False):
             return
+        import torch.utils.checkpoint as checkpoint_module
         from torch.utils.checkpoint import CheckpointFunction
 
         original = base.__dict__["apply"].__func__
+        generator = checkpoint_module._checkpoint_without_reentrant_generator
+
+        def without_reentrant(function, *args, **kwargs):  # NOTE [checkpoint regions]
+            watch = getattr(_local, "watch", None)
+            if watch is not None and watch.tracing():
+                watch.checkpoints.append(function)
+            return generator(function, *args, **kwargs)
+
+        checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
 
         def apply(cls, *args, **kwargs):
             watch = getattr(_local, "watch", None)
@@ -465,6 +488,7 @@ def _install_apply_hook() -> None:
                 if cls is CheckpointFunction:
                     function, _preserve_rng, *inputs = args
                     watch.grad_sensitive = True
+                    watch.checkpoints.append(function)
                     if not any(isinstance(t, torch.Tensor) and watch.requires_grad_in_eager(t) for t in inputs):
                         # Eager gives the checkpointed parameters no gradient then ("None of the
                         # inputs have requires_grad=True"), and which inputs require grad is not
@@ -480,6 +504,46 @@ def _install_apply_hook() -> None:
 
         apply._ortmodule_hook = True
         base.apply = classmethod(apply)
+
+
+def checkpoint_paths(root: torch.nn.Module, functions: Sequence[object]) -> tuple[str, ...]:
+    """NOTE [checkpoint regions]: the module paths of the ``torch.utils.checkpoint`` calls of a
+    trace. The checkpointed call is inlined into the graph (its gradient is the call's gradient); the
+    region is then recomputed in the backward graph, like a level-1 block (``recompute.py``). A
+    region is known by the module it runs (``checkpoint(block, x)``, ``checkpoint(block.forward,
+    x)``, transformers' ``partial(layer.__call__, ...)``); a checkpointed plain function keeps
+    its values saved (logged), as without checkpointing: the gradients are the same either way."""
+    names = {id(m): n for n, m in root.named_modules()}
+    paths = []
+    for fn in functions:
+        bound = None  # ``partial(Layer.forward, layer, ...)`` binds the module as the first argument
+        while isinstance(fn, functools.partial):
+            if fn.args and bound is None:
+                bound = fn.args[0]
+            fn = fn.func
+        owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        if owner is None and isinstance(bound, torch.nn.Module):  # the region only chooses what is
+            owner = bound  # recomputed: any choice of forward nodes recomputes exactly
+        path = names.get(id(owner)) if isinstance(owner, torch.nn.Module) else None
+        if path is None:
+            logger.info("torch.utils.checkpoint of %r is not a submodule's call: its values are saved, not "
+                        "recomputed (checkpoint a module, or use memory_opt_level=1)", fn)
+        elif path not in paths:
+            paths.append(path)
+            _warn_batch_norm_in_checkpoint(owner, path)
+    return tuple(paths)
+
+
+def _warn_batch_norm_in_checkpoint(region: torch.nn.Module, path: str) -> None:
+    norms = [n for n, m in region.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and m.training and m.track_running_stats]
+    if norms:
+        import warnings
+
+        where = ".".join(p for p in (path, norms[0]) if p)
+        warnings.warn(f"BatchNorm {where!r} runs under torch.utils.checkpoint: eager PyTorch updates its running "
+                      "statistics twice per step (again in the recompute); ortmodule updates them once, as "
+                      "without checkpointing (NOTE [checkpoint regions])", UserWarning, stacklevel=2)
 
 
 @contextlib.contextmanager
