@@ -7,7 +7,8 @@ model (BERT 4 layers hidden 256 seq 128; GPT-2 2 layers, n_embd 128, seq 64; dro
 one AdamW step at batch 2 (compiles the graphs; allocates the optimizer state), then RSS is the
 baseline and the kernel's peak-RSS counter is reset (/proc/self/clear_refs); then ``--steps`` AdamW
 steps at ``--batch``. Activation memory = peak RSS - baseline. With ``--budget-mb`` it also finds
-the largest batch (doubling from 16) whose whole-process peak RSS stays within the budget.
+the largest batch (doubling from 16, then bisection to 8) whose whole-process peak RSS stays
+within the budget.
 """
 
 from __future__ import annotations
@@ -119,13 +120,20 @@ def run(name: str, mode: str, batch: int, steps: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def largest_batch(name: str, mode: str, budget_mb: float, steps: int = 2, limit: int = 1024) -> int | None:
+def largest_batch(name: str, mode: str, budget_mb: float, steps: int = 2, limit: int = 1024,
+                  resolution: int = 8) -> int | None:
+    """Doubling from 16 until the peak RSS exceeds the budget, then bisection to ``resolution``."""
+    fits = lambda b: run(name, mode, b, steps)["peak_mb"] <= budget_mb  # noqa: E731
     best, batch = None, 16
-    while batch <= limit:
-        if run(name, mode, batch, steps)["peak_mb"] > budget_mb:
-            break
+    while batch <= limit and fits(batch):
         best, batch = batch, batch * 2
-    return best
+    if best is None or batch > limit:
+        return best
+    low, high = best, batch  # low fits, high does not
+    while high - low > resolution:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def main(argv=None) -> int:

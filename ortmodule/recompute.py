@@ -48,6 +48,7 @@ _ITEMSIZE = {ir.DataType.FLOAT: 4, ir.DataType.DOUBLE: 8, ir.DataType.FLOAT16: 2
              ir.DataType.INT64: 8, ir.DataType.INT32: 4, ir.DataType.BOOL: 1, ir.DataType.UINT8: 1,
              ir.DataType.INT8: 1, ir.DataType.INT16: 2}
 LEVELS = (0, 1)
+MASK_SCALE_KEY = "pkg.ortmodule.dropout_scale"  # NOTE [bool masks] in export/semantics.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +252,11 @@ def plan_recompute(
             continue
         left[p.op_type] -= 1
         grow(v, f"plan:{v.name}", lambda n: n.op_type in left)
+    for v in saved:  # every level: the scaled dropout masks, from their bool inputs (NOTE [bool masks])
+        p = producer.get(v)
+        if v in free or p is None or p in group_of or MASK_SCALE_KEY not in p.metadata_props:
+            continue
+        grow(v, f"mask:{v.name}", lambda n: MASK_SCALE_KEY in n.metadata_props and n.op_type != "Constant")
     for v in saved:  # level 0: cheap ops whose inputs are saved (or free) anyway
         p = producer.get(v)
         if v in free or p is None or p in group_of or p.op_type not in _CHEAP or not _recomputable(p):

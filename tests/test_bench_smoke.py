@@ -92,3 +92,17 @@ def test_rss_imports_table():
         "python", "import torch", "eager MLP step", "import onnxruntime", "import onnx", "import onnx_ir",
         "import ortmodule", "ORTModule MLP step"]
     assert all(float(r.split("|")[2]) > 0 for r in rows)
+
+
+MEMORY = ROOT / "benchmarks" / "bench_memory.py"
+
+
+@pytest.mark.skipif(not MEMORY.exists(), reason="benchmarks/ not present")
+def test_bench_memory_prints_a_row_per_level_with_equal_losses():
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, str(MEMORY), "--model", "gpt2", "--batch", "8", "--steps", "2", "--modes", "level0,level1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[2].strip(): line.split("|") for line in proc.stdout.splitlines() if "| gpt2 |" in line}
+    assert set(rows) == {"level0", "level1"}, proc.stdout
+    assert rows["level0"][8] == rows["level1"][8], "level 1 must train like level 0 (losses)"

@@ -59,10 +59,11 @@ def test_bert_with_dropout_trains_like_eager_at_every_level(policy, monkeypatch)
     elif policy == "plan":  # clusters of Mul and Add nodes (dropout, GELU, residual adds)
         assert {op for _, op, _, _ in plan.recomputed} == {"Mul", "Add"}, plan.table()
         assert plan.bytes_saved > 0
-    elif policy == "plan_count":  # the first two LayerNormalization nodes (all their saved outputs)
-        assert plan.nodes == 2 and {op for _, op, _, _ in plan.recomputed} == {"LayerNormalization"}, plan.table()
-    else:
-        assert plan.bytes_saved >= 0
+    elif policy == "plan_count":  # the first two LayerNormalization nodes (Y, mean, inverse std)
+        norms = [op for _, op, _, _ in plan.recomputed if op == "LayerNormalization"]
+        assert 2 <= len(norms) <= 6 and {op for _, op, _, _ in plan.recomputed} == {"LayerNormalization", "Mul"}
+    else:  # NOTE [bool masks]: the scaled masks are recomputed from the bool mask inputs
+        assert {op for _, op, _, _ in plan.recomputed} == {"Mul"} and plan.bytes_saved > 0, plan.table()
 
 
 def test_level1_equals_level0_over_adamw_steps():

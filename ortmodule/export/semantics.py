@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ExportError
+from ..recompute import MASK_SCALE_KEY
 from .traps import NOT_REWRITTEN, TraceWatch, rewrite, thread_value
 
 
@@ -52,14 +53,24 @@ class MaskSpec:
         shape = self.shape
         if self.dims is not None:
             shape = tuple(d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in self.dims)
-        # NOTE [dropout masks]: eager's CPU dropout computes ``x * bernoulli(1 - p).div_(1 - p)``;
-        # the mask input carries the scaled values, so the graph multiplies once, bit-identically.
+        # NOTE [bool masks]: eager's CPU dropout computes ``x * bernoulli(1 - p).div_(1 - p)``. The
+        # mask is drawn by the same call (the same random stream) and kept as bool, a quarter of the
+        # float mask's bytes while it is alive from the forward to the backward; the graph computes
+        # the scaled values ``Cast(mask) * scale`` with ``scale`` from the same division, so they are
+        # bit-identical (``scale_value``), and the backward recomputes them (``recompute.py``).
+        physical = shape if self.order is None else [shape[d] for d in self.order]
+        mask = torch.empty(physical, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).bool()
         if self.order is None:
-            return torch.empty(shape, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
-        physical = [shape[d] for d in self.order]
-        mask = torch.empty(physical, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+            return mask
         inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
         return mask.permute(inverse).contiguous()
+
+    def scale_value(self) -> float:
+        """What eager's ``div_(1 - p)`` makes of a kept element, in the mask's dtype (p = 1: eager
+        multiplies by zeros)."""
+        if self.p >= 1.0:
+            return 0.0
+        return float(torch.ones((), dtype=self.dtype).div_(1.0 - self.p))
 
 
 def _dropout_args(func, args, kwargs):
@@ -244,32 +255,40 @@ _ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.float64: 11, torch.bfl
 
 
 def masks_to_inputs(model, masks: list[MaskSpec], input_name, dynamic: bool = False) -> None:
-    """Replace each ``ortmodule.DropoutMask`` node (index k) by a graph input ``input_name(k)``."""
+    """Replace each ``ortmodule.DropoutMask`` node (index k) by the bool graph input ``input_name(k)``
+    and the nodes ``Cast(input) * scale`` (NOTE [bool masks]), tagged ``pkg.ortmodule.dropout_scale``."""
     import onnx
+    from onnx import helper
 
     graph = model.graph
-    renames: dict[str, str] = {}
     keep = []
     found = []
+    made = set()
     for node in graph.node:
         if node.domain == MASK_DOMAIN and node.op_type == MASK_OP:
             k = next(a.i for a in node.attribute if a.name == "index")
-            renames[node.output[0]] = input_name(k)
-            found.append((k, node.input[0]))
+            spec, out = masks[k], node.output[0]
+            dtype = _ONNX_DTYPE[spec.dtype]
+            scale = helper.make_tensor(f"{out}/scale_value", dtype, [], [spec.scale_value()])
+            new = [helper.make_node("Cast", [input_name(k)], [f"{out}/kept"], name=f"{out}/cast", to=dtype),
+                   helper.make_node("Constant", [], [f"{out}/scale"], name=f"{out}/scale", value=scale),
+                   helper.make_node("Mul", [f"{out}/kept", f"{out}/scale"], [out], name=f"{out}/mul")]
+            for n in new:
+                n.metadata_props.extend(node.metadata_props)
+                n.metadata_props.add(key=MASK_SCALE_KEY, value=str(k))
+            keep.extend(new)
+            made.add(out)
+            found.append(k)
         else:
             keep.append(node)
     if not found:
         return
-    for k, _ in sorted(found):
+    for k in sorted(found):
         spec = masks[k]
         shape = [f"dropout{k}_dim{d}" for d in range(len(spec.shape))] if dynamic else list(spec.shape)
-        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), _ONNX_DTYPE[spec.dtype], shape))
-    for node in keep:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
+        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), onnx.TensorProto.BOOL, shape))
     for out in graph.output:
-        if out.name in renames:
+        if out.name in made:
             raise ValueError("a dropout mask cannot be a graph output")
     del graph.node[:]
     graph.node.extend(keep)
