@@ -191,10 +191,10 @@ class _OrtRunTimer:
 
         original = session.GraphRunner.run
 
-        def timed_run(self, feeds):
+        def timed_run(self, feeds, *args):
             t0 = time.perf_counter()
             try:
-                return original(self, feeds)
+                return original(self, feeds, *args)
             finally:
                 cls.total += time.perf_counter() - t0
 

@@ -18,6 +18,7 @@ from .export.torchscript import input_name
 from .io import flatten_inputs
 from .options import DebugOptions, FallbackPolicy, logger
 from .recompute import RecomputePlan
+from .runtime.torch_nodes import CALL_OP, TORCH_DOMAIN, lookup_call
 
 
 @dataclasses.dataclass
@@ -29,6 +30,20 @@ class MissingRule:
     def __str__(self) -> str:
         where = f" (torch module '{self.module_path}')" if self.module_path else ""
         return f"{self.op_type} at node '{self.node}'{where}"
+
+
+@dataclasses.dataclass
+class TorchNode:
+    """A node of the graph that runs in torch (NOTE [torch nodes]): what it calls and why."""
+
+    what: str
+    reason: str
+    node: str
+    module_path: str | None
+
+    def __str__(self) -> str:
+        where = f" (torch module '{self.module_path}')" if self.module_path else ""
+        return f"{self.what} at node '{self.node}'{where}: {self.reason}"
 
 
 @dataclasses.dataclass
@@ -51,6 +66,7 @@ class Explanation:
     reason: str | None = None  # the call's Stats.last_fallback_reason
     call_error: str | None = None  # the call raises (not a fallback): e.g. ORT failed at run time
     recompute: RecomputePlan | None = None  # the training graphs' recompute plan (NOTE [recompute])
+    torch_nodes: list[TorchNode] = dataclasses.field(default_factory=list)  # NOTE [torch nodes]
 
     @property
     def would_fall_back(self) -> bool:
@@ -86,6 +102,9 @@ class Explanation:
             lines.extend(f"    - {m}" for m in self.missing_rules)
             if not self.needs_grad:
                 lines.append("  (this call needs no gradients, so they do not matter here)")
+        if self.torch_nodes:
+            lines.append(f"  nodes that run in torch inside the graph ({len(self.torch_nodes)}; the rest runs in ORT):")
+            lines.extend(f"    - {t}" for t in self.torch_nodes)
         if self.recompute is not None:
             lines.extend("  " + line for line in self.recompute.table().splitlines())
         if self.call_error is not None:
@@ -158,9 +177,15 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
     for node in graph:
         if any(v in active for v in node.inputs if v is not None) and lookup(node.domain, node.op_type) is None:
             missing.append(MissingRule(node.op_type, node.name, node.metadata_props.get(MODULE_PATH_KEY)))
+    torch_nodes = []
+    for node in graph:
+        if node.domain == TORCH_DOMAIN and node.op_type == CALL_OP:
+            call = lookup_call(node.attributes["key"].as_int())
+            torch_nodes.append(TorchNode(call.what, call.reason, node.name, node.metadata_props.get(MODULE_PATH_KEY)))
     return Explanation(
         model=name,
         exports=True,
+        torch_nodes=torch_nodes,
         ops=dict(ops),
         missing_rules=missing,
         dropout_masks=len(exported.masks),
@@ -173,4 +198,4 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
     )
 
 
-__all__ = ["Explanation", "MissingRule", "explain"]
+__all__ = ["Explanation", "MissingRule", "TorchNode", "explain"]

@@ -43,7 +43,9 @@ class ORTFunction(torch.autograd.Function):
         graphs = entry.graphs
         assert graphs is not None
         feeds = dict(zip(names, tensors))
-        outs = entry.forward.run(feeds)
+        # NOTE [torch nodes]: what the forward's torch calls recorded, for the backward's
+        ctx.torch_state = {} if entry.has_torch_nodes else None
+        outs = entry.forward.run(feeds, ctx.torch_state)
         n_user = entry.exported.num_user_outputs
         n_mut = len(mutated)
         write_back(mutated, outs[n_user : n_user + n_mut])
@@ -85,7 +87,8 @@ class ORTFunction(torch.autograd.Function):
                 shape, dtype, device = ctx.out_meta[i]
                 grad = torch.zeros(shape, dtype=dtype, device=device)
             feeds[name] = grad
-        results = dict(zip(targets, runner.run(feeds)))
+        keep = ctx.torch_state is not None and torch._C._autograd._get_current_graph_task_keep_graph()
+        results = dict(zip(targets, runner.run(feeds, ctx.torch_state, keep)))
         if absent:  # NOTE [unreached targets]: None, as eager, where only absent outputs reach
             for name in entry.unreached_targets(absent):
                 results.pop(name, None)

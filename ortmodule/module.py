@@ -31,6 +31,7 @@ from .runtime import disk_cache
 from .runtime.cache import LRUCache
 from .runtime.disk_cache import DiskCache
 from .runtime.entry import CompiledEntry
+from .runtime.segments import has_torch_nodes, torch_node_count
 from .verify import Verification
 
 _CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, type(...))
@@ -55,6 +56,7 @@ class Stats:
     verify_s: float = 0.0
     disk_cache_hits: int = 0  # graphs loaded from the persistent cache (NOTE [persistent cache])
     disk_cache_stores: int = 0  # ... and written to it
+    torch_nodes: int = 0  # torch nodes (NOTE [torch nodes]) in the forward graphs built so far
 
     @property
     def reexports(self) -> int:
@@ -451,6 +453,8 @@ class ORTModule(nn.Module):
         except Exception as exc:  # partition/shape bookkeeping on a graph we did not foresee
             raise GradientRuleError(f"building the training graphs failed: {type(exc).__name__}: {exc}") from exc
         self._save_graphs(entry)
+        forward = entry.graphs.forward if entry.graphs is not None else exported.model
+        self._stats.torch_nodes += torch_node_count(forward)
         try:
             # Sessions are created now, not on first use, so that a graph onnxruntime cannot load
             # (e.g. no kernel for an op at this dtype) falls back here instead of failing mid-step.
@@ -496,13 +500,18 @@ class ORTModule(nn.Module):
             return self._run_export(*args, dynamic=dynamic, batch_only=batch_only)
         # NOTE [persistent cache]: the key is taken before the export runs the forward (which may set
         # attributes), in every process alike.
-        key = disk_cache.export_key(self.module, sig.export_key(), self._options.frontend, (dynamic, batch_only))
+        key = disk_cache.export_key(self.module, sig.export_key(), self._options.frontend,
+                                       (dynamic, batch_only, self._options.torch_nodes))
         exported = disk.load("export", key)
         if exported is None:
             with disk.exclusive(key):
                 exported = disk.load("export", key)  # another process may have built it meanwhile
                 if exported is None:
                     exported = self._run_export(*args, dynamic=dynamic, batch_only=batch_only)
+                    if has_torch_nodes(exported.model):  # NOTE [torch nodes]: a per-process table
+                        logger.info("%s's graph holds torch nodes: not written to the compile cache",
+                                    type(self.module).__name__)
+                        return exported
                     exported.cache_key = key
                     sources = disk_cache.source_files(self.module, exported.source_files)
                     if disk.store("export", key, exported, sources):
@@ -517,9 +526,13 @@ class ORTModule(nn.Module):
                     batch_only: bool = False) -> ExportedModel:
         t0 = time.perf_counter()
         with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
-            export = export_program if self._options.frontend == "export" else export_module
-            exported = export(self.module, flat, params, param_names, buffers, buffer_names,
-                              dynamic=dynamic, batch_only=batch_only)
+            if self._options.frontend == "export":
+                exported = export_program(self.module, flat, params, param_names, buffers, buffer_names,
+                                          dynamic=dynamic, batch_only=batch_only,
+                                          torch_nodes=self._options.torch_nodes)
+            else:
+                exported = export_module(self.module, flat, params, param_names, buffers, buffer_names,
+                                         dynamic=dynamic, batch_only=batch_only)
         self._stats.export_s += time.perf_counter() - t0
         self._stats.exports += 1
         logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)

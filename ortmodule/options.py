@@ -96,6 +96,9 @@ class Options:
     frontend: str = FRONTENDS[0]
     cache_dir: str | None = None  # NOTE [persistent cache]
     recompute: RecomputePolicy = dataclasses.field(default_factory=RecomputePolicy)  # NOTE [recompute]
+    # NOTE [torch nodes]: custom Functions and ops without a rule run in torch inside the graph;
+    # ORTMODULE_TORCH_NODES=0 makes them fall back instead (a graph that must be ORT only)
+    torch_nodes: bool = True
 
     @classmethod
     def resolve(
@@ -137,8 +140,12 @@ class Options:
         frontend = (frontend or os.environ.get("ORTMODULE_FRONTEND") or FRONTENDS[0]).strip().lower()
         if frontend not in FRONTENDS:
             raise ValueError(f"unknown frontend {frontend!r}; use one of {list(FRONTENDS)}")
+        env_nodes = os.environ.get("ORTMODULE_TORCH_NODES", "1").strip().lower()
+        if env_nodes not in ("", "0", "1", "false", "true", "off", "on"):
+            raise ValueError(f"ORTMODULE_TORCH_NODES={env_nodes!r}: use 1 (on) or 0 (off)")
         folder = cache_dir if cache_dir is not None else os.environ.get("ORTMODULE_CACHE_DIR") or None
         return cls(fallback=policy, cache_size=size, debug=debug, verify=bool(verify),
                    verify_tolerance=verify_tolerance, frontend=frontend,
                    cache_dir=None if folder is None else os.fspath(folder),
-                   recompute=RecomputePolicy.resolve(memory_opt_level, memory_opt_config))
+                   recompute=RecomputePolicy.resolve(memory_opt_level, memory_opt_config),
+                   torch_nodes=env_nodes not in ("0", "false", "off"))

@@ -20,6 +20,7 @@ from .export.torchscript import input_name, mask_name
 from .passes import lower_softmax_cross_entropy, run_forward_passes, score_ranks
 from .passes.proto import apply_inferred_types
 from .recompute import RecomputePlan, RecomputePolicy, gate_groups, plan_recompute
+from .runtime.torch_nodes import TORCH_DOMAIN
 
 # NOTE [cheap to move]: backward nodes that only read forward values and produce shapes (Shape,
 # Size and the integer arithmetic on their results) run in the forward model instead: saving a
@@ -325,6 +326,10 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     gate_groups(backward, plan.gates)  # NOTE [recompute order]
     # The recomputed views keep their known shapes (the backward passes read them).
     backward.graph.value_info.extend(_value_info(o) for n in views for o in n.outputs if o.dtype is not None)
+    # NOTE [torch nodes]: onnx cannot infer a torch node's outputs; the segments read their types here
+    for model_, nodes_ in ((forward, fwd_keep), (backward, bwd_nodes)):
+        model_.graph.value_info.extend(_value_info(o) for n in nodes_ if n.domain == TORCH_DOMAIN
+                                       for o in n.outputs if o.dtype is not None and o.name)
     return TrainingGraphs(
         forward=forward,
         backward=backward,

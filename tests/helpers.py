@@ -128,7 +128,8 @@ class NoSymbolic(nn.Module):
 
 
 class NoRule(nn.Module):
-    """Exports fine, but ONNX Det has no gradient rule: falls back when gradients are needed."""
+    """Exports fine, but ONNX Det has no gradient rule: falls back when gradients are needed (under
+    torch.export with torch nodes off, the ``ort_only`` fixture; on, Det runs in torch)."""
 
     def __init__(self) -> None:
         super().__init__()

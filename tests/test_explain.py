@@ -12,6 +12,9 @@ from ortmodule import ORTModule
 
 from .helpers import NoRule, NoSymbolic
 
+# The no-rule cases check the fallback path: torch nodes off (NOTE [torch nodes]; tests/test_torch_nodes.py)
+pytestmark = pytest.mark.usefixtures("ort_only")
+
 
 def seeded(factory):
     torch.manual_seed(0)

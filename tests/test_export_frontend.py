@@ -167,7 +167,7 @@ class SteNet(nn.Module):
         return Ste.apply(self.lin(x))
 
 
-def test_custom_function_falls_back_naming_the_class():
+def test_custom_function_falls_back_naming_the_class(ort_only):
     ort = _export(SteNet())
     with pytest.warns(UserWarning, match="Ste"):
         ort(torch.randn(3, 4)).sum().backward()
@@ -210,7 +210,7 @@ def test_in_place_writes_to_inputs_and_parameters_fall_back(model, what):
     assert torch.equal(ort.module.lin.weight, eager.lin.weight)
 
 
-def test_module_path_reaches_error_messages():
+def test_module_path_reaches_error_messages(ort_only):
     class Inner(nn.Module):
         def forward(self, x):
             return torch.linalg.det(x)

@@ -657,7 +657,7 @@ def test_train_eval_no_grad_switch():
 
 # -- fallback, explain ----------------------------------------------------------------------------
 @pytest.mark.parametrize("cls,expect", [(NoSymbolic, NoSymbolic.MATCH), (NoRule, "Det")])
-def test_fallback_warns_once_and_matches_eager(cls, expect):
+def test_fallback_warns_once_and_matches_eager(cls, expect, ort_only):
     eager, wrapped = both(seeded(cls))
     x = torch.randn(2, 3, 3) if cls is NoRule else torch.randn(2, 8)
     with pytest.warns(UserWarning, match=expect) as record:
@@ -684,7 +684,7 @@ def test_graph_onnxruntime_cannot_load_falls_back():
     assert wrapped.module.weight.grad is not None
 
 
-def test_missing_rule_message_names_op_node_and_module():
+def test_missing_rule_message_names_op_node_and_module(ort_only):
     wrapped = ORTModule(seeded(NoRule), fallback="raise")
     with pytest.raises(ortmodule.GradientRuleError) as info:
         wrapped(torch.randn(2, 3, 3))
@@ -724,7 +724,7 @@ def test_unsupported_input_type_falls_back_with_reason():
     assert_close(out, eager(h), 1e-6, "output")
 
 
-def test_explain_reports_ops_and_missing_rules():
+def test_explain_reports_ops_and_missing_rules(ort_only):
     ok = ortmodule.explain(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.1))),
                            torch.randn(2, 4))
     assert ok.exports and not ok.would_fall_back

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from ortmodule import ORTModule
 from ortmodule.errors import ExportError
 
-from .helpers import assert_close, by_frontend
+from .helpers import TORCH_EXPORT, assert_close, by_frontend
 
 
 def _compare(model: nn.Module, calls: list[tuple], *, rtol: float = 1e-5, expect_fallback: str | None = None):
@@ -113,12 +113,22 @@ class FunctionMLP(nn.Module):
 
 
 @pytest.mark.parametrize("fn,cls", [("ste", "RoundSTE"), ("reverse", "GradReverse"), ("gelu", "MyGelu")])
-def test_custom_function_falls_back_naming_the_class(fn, cls):
+def test_custom_function_falls_back_naming_the_class(fn, cls, ort_only):
     torch.manual_seed(0)
     x = torch.randn(64, 16)
     _compare(FunctionMLP(fn), [(x,), (x * 2,)], expect_fallback=cls)
     with pytest.raises(ExportError, match=cls):
         ORTModule(FunctionMLP(fn), fallback="raise")(x)
+
+
+@pytest.mark.skipif(not TORCH_EXPORT, reason="torch nodes are captured by the torch.export front end")
+@pytest.mark.parametrize("fn", ["ste", "reverse", "gelu"])
+def test_custom_function_runs_as_a_torch_node(fn):
+    """The same Functions with torch nodes on (the default): their own backward, no fallback."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    wrapped = _compare(FunctionMLP(fn), [(x,), (x * 2,)])
+    assert wrapped.stats.torch_nodes == 1
 
 
 # -- tensor values and sizes read into Python -------------------------------------------------------------

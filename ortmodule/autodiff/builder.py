@@ -106,6 +106,7 @@ def build_gradient(
     """
     active = differentiable_values(graph, wrt)
     g = GradBuilder(opset, dim_values)
+    g.active = active
     grads: dict[ir.Value, list[ir.Value]] = {}
     grad_inputs: list[ir.Value] = []
     for out in outputs:

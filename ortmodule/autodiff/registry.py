@@ -79,6 +79,7 @@ class GradBuilder:
         self.dim_values = dim_values or {}
         self.nodes: list[ir.Node] = []
         self._node: ir.Node | None = None  # the forward node whose rule is running
+        self.active: set[ir.Value] = set()  # the values on a gradient path (set by build_gradient)
         self._count = 0
 
     # -- node emission -------------------------------------------------------------------------

@@ -31,7 +31,9 @@ from torch import nn
 
 from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
 from ..io import FlatInputs
+from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
 from .semantics import define_mask_op, mark_stop_gradients, masks_to_inputs
+from .torch_calls import nodes_without_rules, to_torch_calls
 from .torchscript import (
     WRAPPER_ATTR,
     ExportedModel,
@@ -154,8 +156,12 @@ def _custom_translations() -> dict:
                 parts.append(running)
             return parts[0] if size == 1 else op.Concat(*parts, axis=d)
 
+        from .torch_calls import torch_call_translation
+
+        define_torch_call_op()
         aten = torch.ops.aten
         _registry = {
+            torch.ops.ortmodule.torch_call.default: torch_call_translation,
             aten.hypot.default: hypot,
             aten.cumprod.default: cumprod,
             aten._native_batch_norm_legit.no_stats: batch_norm_no_stats,
@@ -398,14 +404,17 @@ def export_program(
     opset: int = OPSET,
     dynamic: bool = False,
     batch_only: bool = False,
+    torch_nodes: bool = True,
 ) -> ExportedModel:
-    """Capture ``module`` with torch.export and translate it (NOTE [torch.export front end])."""
+    """Capture ``module`` with torch.export and translate it (NOTE [torch.export front end]); with
+    ``torch_nodes``, custom Functions and ops without a gradient rule run in torch (NOTE [torch nodes])."""
     if opset != OPSET:
         raise ExportError(f"the torch.export front end writes opset {OPSET} graphs, not {opset}")
     name = type(module).__name__
     define_mask_op()
     wrapper = _Captured(module, flat, param_names, buffer_names)
     wrapper.watch = TraceWatch(jit=False)
+    wrapper.watch.torch_nodes = torch_nodes
     wrapper.trainable = [p.requires_grad for p in params]
     user = tuple(_trace_copy(t) for t in flat.tensors)
     inputs = user + tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
@@ -449,9 +458,12 @@ def export_program(
     if dynamic:
         resolved = _mask_dims(wrapper.semantics, guard, n_user)
         if resolved is None:  # a mask sized by an expression of the input sizes: one graph per shape
-            return export_program(module, flat, params, param_names, buffers, buffer_names, opset=opset)
+            return export_program(module, flat, params, param_names, buffers, buffer_names, opset=opset,
+                                  torch_nodes=torch_nodes)
         masks = resolved
     model = _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
+    if torch_nodes and to_torch_calls(ep, nodes_without_rules(model)):  # NOTE [torch nodes]: the rest stays in ORT
+        model = _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
     masks_to_inputs(model, list(masks), mask_name, dynamic)
     mark_stop_gradients(model)
     for node in model.graph.node:
@@ -529,7 +541,12 @@ def _reinfer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     torch_shapes = {vi.name: vi.type.tensor_type.shape for vi in [*model.graph.value_info, *model.graph.output]
                     if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    # A torch node's outputs keep torch's types: onnx cannot infer them, and the fake run of the
+    # call itself gave them (NOTE [torch nodes]); what reads them is inferred from there.
+    torch_outputs = {o for n in model.graph.node if n.domain == TORCH_DOMAIN for o in n.output}
+    kept = [vi for vi in model.graph.value_info if vi.name in torch_outputs]
     del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
     for out in model.graph.output:
         if out.type.HasField("tensor_type"):
             out.type.tensor_type.ClearField("shape")

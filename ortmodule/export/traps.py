@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..errors import user_location
+from ..runtime.torch_nodes import inside_call
 
 logger = logging.getLogger("ortmodule")
 
@@ -96,6 +97,7 @@ class TraceWatch:
         self._memo: dict[tuple[int, bool], int] = {}
         self._param_storage: dict[int, str] = {}
         self._data_views: dict[int, str] = {}  # storage of a traced ``x.data`` -> where it was read
+        self.torch_nodes = False  # a custom Function becomes a torch node (NOTE [torch nodes])
         self.checkpoints: list[object] = []  # what each torch.utils.checkpoint call ran (NOTE [checkpoint regions])
 
     def watch_inputs(self, user: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
@@ -499,7 +501,15 @@ def _install_apply_hook() -> None:
                             "use use_reentrant=False"
                         )
                     return function(*inputs)
-                watch.functions.append((cls.__qualname__, user_location()))
+                if not watch.jit and watch.torch_nodes and not inside_call():  # NOTE [torch nodes]
+                    from .torch_calls import function_call
+
+                    out, refused = function_call(original, cls, args, kwargs, user_location())
+                    if refused is None:
+                        return out
+                    watch.other.append(refused)
+                else:
+                    watch.functions.append((cls.__qualname__, user_location()))
             return original(cls, *args, **kwargs)
 
         apply._ortmodule_hook = True

@@ -15,6 +15,7 @@ from ..passes import optimize_inference
 from ..passes.backward import run_backward_passes
 from ..passes.zero_grads import specialise_zero_grads
 from ..recompute import RecomputePolicy
+from .segments import SegmentedRunner, has_torch_nodes
 from .session import GraphRunner, make_session_options
 
 
@@ -53,6 +54,7 @@ class CompiledEntry:
         self._unreached: dict[frozenset[int], frozenset[str]] = {}  # NOTE [unreached targets]
         # The backward model the session runs: ``graphs.backward`` after the backward passes.
         self.backward_model: onnx.ModelProto | None = None
+        self._has_torch: bool | None = None
         if requires_grad is not None and prebuilt is not None:  # NOTE [persistent cache]
             self.graphs, self.backward_model = prebuilt
         elif requires_grad is not None:
@@ -64,10 +66,22 @@ class CompiledEntry:
             if stats is not None:
                 stats.gradient_build_s += time.perf_counter() - t0
 
+    @property
+    def has_torch_nodes(self) -> bool:
+        """Whether the training forward holds torch nodes (NOTE [torch nodes])."""
+        if self._has_torch is None:
+            self._has_torch = self.graphs is not None and has_torch_nodes(self.graphs.forward)
+        return self._has_torch
+
     def _runner(self, model) -> GraphRunner:
         t0 = time.perf_counter()
-        runner = GraphRunner(model, self.device, make_session_options(profile_prefix=self.profile_prefix),
-                             stable_inputs=self.stable_inputs)
+        if has_torch_nodes(model):  # NOTE [segments]
+            runner = SegmentedRunner(model, self.device,
+                                     lambda: make_session_options(profile_prefix=self.profile_prefix),
+                                     stable_inputs=self.stable_inputs)
+        else:
+            runner = GraphRunner(model, self.device, make_session_options(profile_prefix=self.profile_prefix),
+                                 stable_inputs=self.stable_inputs)
         if self.stats is not None:
             self.stats.session_create_s += time.perf_counter() - t0
         return runner
@@ -142,7 +156,7 @@ class CompiledEntry:
     def end_profiling(self) -> list[str]:
         runners = [self._inference, self._forward, self._backward]
         runners += [p[0] for p in self._partial_backward.values() if p is not None]
-        return [r.session.end_profiling() for r in runners if r is not None]
+        return [s.end_profiling() for r in runners if r is not None for s in getattr(r, "sessions", [r.session])]
 
 
 def _for_session(backward: onnx.ModelProto) -> onnx.ModelProto:

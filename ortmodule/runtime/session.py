@@ -102,8 +102,10 @@ class GraphRunner:
         else:
             self._out_device = _CPU_DEVICE
 
-    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Run with ``feeds`` (by input name; extra names are ignored); outputs in model order."""
+    def run(self, feeds: dict[str, torch.Tensor], state: dict | None = None, keep_state: bool = False
+            ) -> list[torch.Tensor]:
+        """Run with ``feeds`` (by input name; extra names are ignored); outputs in model order.
+        (``state``: the torch nodes' state, which a graph without them does not use.)"""
         binding = C.SessionIOBinding(self._sess)
         for name in self.input_names:
             t = feeds[name]

@@ -12,4 +12,5 @@ from . import (  # noqa: F401
     pool,
     reduction,
     shape,
+    torch_node,
 )

@@ -1,0 +1,190 @@
+"""Capture of torch nodes (NOTE [torch nodes] in runtime/torch_nodes.py): a custom ``autograd.Function``
+called in forward, and ATen ops whose ONNX translation has no gradient rule, become
+``ortmodule::torch_call`` nodes of the exported program, translated as ``TorchCall`` ONNX nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Sequence
+
+import onnx
+import torch
+from torch.utils import _pytree as pytree
+
+from ..runtime.torch_nodes import (
+    CALL_OP,
+    TORCH_DOMAIN,
+    TorchCall,
+    define_torch_call_op,
+    lookup_call,
+    register_call,
+)
+
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def function_call(original, cls, args: tuple, kwargs: dict, where: str):
+    """The traced stand-in for ``cls.apply(*args, **kwargs)``: one ``torch_call`` node whose torch
+    call is the Function's own ``apply`` (forward and backward as in eager).
+
+    Returns the outputs as ``apply`` would, or a reason it cannot be a torch node."""
+    define_torch_call_op()
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    symbolic = [a for a in flat if isinstance(a, _SYM)]
+    if symbolic:
+        return None, (f"custom torch.autograd.Function '{cls.__qualname__}' ({where}) gets a size computed from "
+                      "an input's shape as a non-tensor argument: the graph would keep the traced value")
+    template = [None if i in positions else a for i, a in enumerate(flat)]
+
+    def fn(*tensors):
+        leaves = list(template)
+        for i, t in zip(positions, tensors):
+            leaves[i] = t
+        a, k = pytree.tree_unflatten(leaves, spec)
+        return original(cls, *a, **k)
+
+    key = register_call(TorchCall(fn, f"custom autograd.Function '{cls.__qualname__}'",
+                                  "a custom autograd.Function runs with its own forward and backward", where))
+    outs = torch.ops.ortmodule.torch_call([flat[i] for i in positions], key)
+    call = lookup_call(key)
+    return (outs[0] if call.single else tuple(outs)), None
+
+
+_FX_NAME = re.compile(r"^%(\S+) :")
+_RNN = {"gru", "lstm", "rnn_tanh", "rnn_relu"}
+
+
+def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
+    """FX node name -> ONNX op, for the nodes on a gradient path whose ONNX translation holds an op
+    with no gradient rule: they become torch nodes (NOTE [torch nodes])."""
+    import onnx_ir as ir
+
+    from ..autodiff.builder import differentiable_values
+    from ..autodiff.registry import is_float, lookup
+    from .semantics import MASK_DOMAIN
+
+    # ortmodule's own placeholders (dropout masks, stop-gradients) are rewritten after translation
+    missing = [n for n in model.graph.node if lookup(n.domain, n.op_type) is None and n.domain != MASK_DOMAIN]
+    if not missing:
+        return {}
+    graph = ir.serde.deserialize_model(model).graph
+    active = differentiable_values(graph, [v for v in graph.inputs if is_float(v.dtype)])
+    found: dict[str, str] = {}
+    for node in graph:
+        if node.domain == MASK_DOMAIN or lookup(node.domain, node.op_type) is not None \
+                or not any(v in active for v in node.inputs if v is not None):
+            continue
+        meta = node.metadata_props.get("pkg.torch.onnx.fx_node")
+        match = _FX_NAME.match(meta or "")
+        if match:
+            found.setdefault(match.group(1), node.op_type)
+    return found
+
+
+def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
+    """Rewrite the FX nodes ``names`` of ``ep`` as ``torch_call`` nodes calling their ATen op.
+
+    Returns the ones rewritten; a node that cannot be (a symbolic-size argument, a non-tensor
+    output, a random op whose draws would move in the stream) is left as it is, and its missing rule
+    then falls back with a cause."""
+    define_torch_call_op()
+    gm = ep.graph_module
+    graph = gm.graph
+    done: list[str] = []
+    renamed: dict[str, str] = {}
+    for node in list(graph.nodes):
+        if node.name not in names or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "aten":  # ortmodule's own placeholders are never torch nodes
+            continue
+        target = node.target
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)]
+        if not all(isinstance(flat[i].meta.get("val"), torch.Tensor) for i in positions):
+            continue
+        if _draws_random(target, node):
+            continue
+        val = node.meta.get("val")
+        single = isinstance(val, torch.Tensor)
+        outs = [val] if single else list(val) if isinstance(val, (tuple, list)) else None
+        if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
+            continue
+        if any(t.is_complex() for t in outs) or any(flat[i].meta["val"].is_complex() for i in positions):
+            continue  # ONNX has no complex type: torchlib writes them as real pairs
+        template = [None if i in positions else a for i, a in enumerate(flat)]
+
+        def fn(*tensors, _template=template, _positions=positions, _spec=spec, _target=target):
+            leaves = list(_template)
+            for i, t in zip(_positions, tensors):
+                leaves[i] = t
+            a, k = pytree.tree_unflatten(leaves, _spec)
+            return _target(*a, **k)
+
+        qualified = f"{target.namespace}::{target._schema.name.split('::')[-1]}.{target._overloadname}"
+        call = TorchCall(fn, qualified, f"no gradient rule for the ONNX op '{names[node.name]}' it translates to",
+                         n_outputs=len(outs), single=single)
+        key = register_call(call)
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.ortmodule.torch_call.default, ([flat[i] for i in positions], key))
+        new.meta = dict(node.meta)
+        new.meta["val"] = list(outs)
+        if single:
+            with graph.inserting_after(new):
+                item = graph.call_function(operator.getitem, (new, 0))
+            item.meta = dict(node.meta)
+            node.replace_all_uses_with(item)
+        else:
+            node.replace_all_uses_with(new)
+        name = node.name
+        graph.erase_node(node)
+        if single:
+            renamed[name] = item.name
+        done.append(name)
+    if done:
+        gm.recompile()
+        from torch.export.graph_signature import TensorArgument
+
+        for spec in ep.graph_signature.output_specs:  # the program's outputs name their nodes
+            if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+                spec.arg = TensorArgument(name=renamed[spec.arg.name])
+    return done
+
+
+def _draws_random(target, node) -> bool:
+    """Whether the op draws from torch's generator: run as a torch node, its draws would move in the
+    stream against the dropout masks drawn before the run (eager order), so it is not one."""
+    name = target._schema.name.split("::")[-1]
+    if name in _RNN:  # tagged as random for its inter-layer dropout, which may be off
+        formal = [a.name for a in target._schema.arguments]
+        value = dict(zip(formal, node.args)) | dict(node.kwargs)
+        return bool(value.get("train", False)) and float(value.get("dropout", 0.0)) > 0
+    return torch.Tag.nondeterministic_seeded in target.tags
+
+
+_schemas: dict[int, object] = {}
+
+
+def torch_call_translation(xs: Sequence, key: int):
+    """``ortmodule::torch_call`` -> one ``TorchCall`` node with one output per tensor it returns."""
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    n = lookup_call(key).n_outputs
+    op = _schemas.get(n)
+    if op is None:
+        types = ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)", "tensor(int64)",
+                 "tensor(int32)", "tensor(int8)", "tensor(uint8)", "tensor(int16)", "tensor(bool)"]
+        schema = OpSchema(
+            CALL_OP, TORCH_DOMAIN, 1,
+            inputs=[OpSchema.FormalParameter("xs", "T", param_option=OpSchema.FormalParameterOption.Variadic,
+                                             is_homogeneous=False)],
+            outputs=[OpSchema.FormalParameter(f"y{i}", f"T{i}") for i in range(n)],
+            type_constraints=[("T", types, "")] + [(f"T{i}", types, "") for i in range(n)],
+            attributes=[OpSchema.Attribute("key", OpSchema.AttrType.INT, "")],
+        )
+        op = _schemas[n] = onnxscript.values.Op(onnxscript.values.Opset(TORCH_DOMAIN, 1), CALL_OP, schema)
+    outs = op(*xs, key=key)
+    return (outs,) if n == 1 else tuple(outs)

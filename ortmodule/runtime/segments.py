@@ -1,0 +1,228 @@
+"""A graph with torch nodes, run as ORT segments with torch calls between them (NOTE [torch nodes]).
+
+# NOTE [segments]: every node gets a phase: an ORT node runs in segment ``max(phase of what it
+# reads)``, where a torch node's outputs count one phase later than the node. Segment k's ORT nodes
+# run as one session, then the torch nodes of phase k. Nodes that do not depend on a torch node all
+# land in segment 0, so the ORT parts stay as large as the graph allows (one boundary per torch
+# node on a chain). ``Constant`` nodes are copied into every segment that reads them. A value
+# crosses a boundary as a torch tensor (DLPack both ways, no copy) and is dropped after its last
+# reader.
+"""
+
+from __future__ import annotations
+
+import time
+
+import onnx
+import torch
+
+from .session import GraphRunner, make_session_options
+from .torch_nodes import GRAD_OP, TORCH_DOMAIN, lookup_call, run_backward, run_forward
+
+
+def has_torch_nodes(model: onnx.ModelProto) -> bool:
+    return any(n.domain == TORCH_DOMAIN for n in model.graph.node)
+
+
+def torch_node_count(model: onnx.ModelProto) -> int:
+    return sum(n.domain == TORCH_DOMAIN for n in model.graph.node)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> list[str]:
+    """Outer names the node's subgraphs read (NOTE [captured values] in autodiff/builder.py)."""
+    names: list[str] = []
+
+    def visit(g: onnx.GraphProto, defined: set[str]) -> None:
+        defined = defined | {i.name for i in g.input} | {i.name for i in g.initializer}
+        for n in g.node:
+            names.extend(x for x in n.input if x and x not in defined)
+            for a in n.attribute:
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    visit(sub, defined)
+            defined |= set(n.output)
+        names.extend(o.name for o in g.output if o.name not in defined)
+
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            visit(a.g, set())
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            for g in a.graphs:
+                visit(g, set())
+    return names
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    reads = [x for x in node.input if x]
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        reads += [x for x in _subgraph_reads(node) if x not in reads]
+    return reads
+
+
+_ONNX_OF = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int16: 5, torch.int32: 6, torch.int64: 7,
+            torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
+
+
+class _TorchStep:
+    def __init__(self, node: onnx.NodeProto, used: set[str], types: dict) -> None:
+        self.node = node
+        self.declared = []  # (elem type, dims: int or None) of each output, as the graph states them
+        for o in node.output:
+            tt = types[o].type.tensor_type if o in types else None
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] \
+                if tt is not None and tt.HasField("shape") else None
+            self.declared.append((tt.elem_type if tt is not None else 0, dims))
+        self.name = node.name
+        self.inputs = list(node.input)
+        self.outputs = list(node.output)
+        attrs = _attrs(node)
+        self.grad = node.op_type == GRAD_OP
+        if self.grad:
+            self.forward = attrs["forward"].decode() if isinstance(attrs["forward"], bytes) else attrs["forward"]
+            self.wanted = [o in used for o in self.outputs]
+        else:
+            self.key = int(attrs["key"])
+            self.grad_inputs = [int(i) for i in attrs.get("grad_inputs", [])]
+
+
+class SegmentedRunner:
+    """Runs one ONNX model holding torch nodes: same interface as :class:`GraphRunner`, plus the
+    run's torch-node ``state`` (NOTE [torch nodes])."""
+
+    def __init__(self, model: onnx.ModelProto, device: torch.device, options_factory=None,
+                 stable_inputs: frozenset[str] = frozenset()) -> None:
+        self.device = device
+        graph = model.graph
+        self.input_names = [i.name for i in graph.input]
+        self.output_names = [o.name for o in graph.output]
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types = {vi.name: vi for vi in [*inferred.graph.value_info, *graph.value_info, *graph.input,
+                                         *graph.output]}
+        initializers = {t.name: t for t in graph.initializer}
+        constants = {o: n for n in graph.node if n.op_type == "Constant" and not n.input for o in n.output}
+        available: dict[str, int] = {}  # value -> the first segment that can read it
+        phases: list[int] = []
+        for node in graph.node:
+            if node.op_type == "Constant" and not node.input:
+                phases.append(-1)
+                continue
+            phase = max((available.get(x, 0) for x in _reads(node) if x not in constants), default=0)
+            phases.append(phase)
+            after = phase + 1 if node.domain == TORCH_DOMAIN else phase
+            for o in node.output:
+                available[o] = after
+        n_phases = max(phases, default=0) + 1
+        used = {x for n in graph.node for x in _reads(n)} | set(self.output_names)
+        # plan: per phase, the ORT nodes, then the torch nodes
+        ort_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(n_phases)]
+        torch_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(n_phases)]
+        for node, phase in zip(graph.node, phases):
+            if phase < 0:
+                continue
+            (torch_nodes if node.domain == TORCH_DOMAIN else ort_nodes)[phase].append(node)
+        later_reads: list[set[str]] = []  # what phases > k read (or the graph returns)
+        reads_after: set[str] = set(self.output_names)
+        for k in reversed(range(n_phases)):
+            later_reads.append(set(reads_after))
+            for n in ort_nodes[k] + torch_nodes[k]:
+                reads_after.update(_reads(n))
+        later_reads.reverse()
+        self.steps: list = []
+        self.n_segments = 0
+        make_options = options_factory or make_session_options
+        for k in range(n_phases):
+            torch_reads = {x for n in torch_nodes[k] for x in _reads(n)}
+            if any(o in later_reads[k] or o in torch_reads for n in ort_nodes[k] for o in n.output):
+                seg = self._segment(model, ort_nodes[k], constants, initializers, types,
+                                    later_reads[k] | torch_reads, k)
+                runner = GraphRunner(seg, device, make_options(), stable_inputs=stable_inputs)
+                self.steps.append(("ort", runner, runner.output_names))
+                self.n_segments += 1
+            for node in torch_nodes[k]:
+                self.steps.append(("torch", _TorchStep(node, used, types), None))
+        # NOTE [segments]: each value is dropped after the last step that reads it
+        last: dict[str, int] = {}
+        for i, (kind, step, _) in enumerate(self.steps):
+            reads = step.input_names if kind == "ort" else step.inputs
+            for x in reads:
+                last[x] = i
+        keep = set(self.output_names)
+        self._drop = [[x for x, i in last.items() if i == s and x not in keep] for s in range(len(self.steps))]
+        self.boundary_s = 0.0  # time spent in torch nodes and at the boundaries (NOTE [segments])
+        self.torch_calls = 0
+
+    @staticmethod
+    def _segment(model, nodes, constants, initializers, types, wanted_after, k) -> onnx.ModelProto:
+        produced = {o for n in nodes for o in n.output}
+        reads: list[str] = []
+        for n in nodes:
+            reads.extend(x for x in _reads(n) if x not in produced and x not in reads)
+        const_nodes = [constants[x] for x in reads if x in constants]
+        inits = [initializers[x] for x in reads if x in initializers]
+        feeds = [x for x in reads if x not in constants and x not in initializers]
+        outputs = [o for n in nodes for o in n.output if o and o in wanted_after]
+
+        def info(name: str) -> onnx.ValueInfoProto:
+            vi = types.get(name)
+            if vi is None or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.elem_type:
+                raise RuntimeError(f"torch nodes: the type of {name!r}, which crosses a segment boundary, is unknown")
+            out = onnx.ValueInfoProto()
+            out.CopyFrom(vi)
+            out.name = name
+            return out
+
+        graph = onnx.helper.make_graph(const_nodes + list(nodes), f"{model.graph.name}_segment{k}",
+                                       [info(x) for x in feeds], [info(x) for x in outputs], inits)
+        seg = onnx.helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        seg.functions.extend(model.functions)
+        return seg
+
+    def run(self, feeds: dict[str, torch.Tensor], state: dict | None = None,
+            keep_state: bool = False) -> list[torch.Tensor]:
+        values = dict(feeds)
+        t_torch = 0.0
+        for i, (kind, step, names) in enumerate(self.steps):
+            if kind == "ort":
+                values.update(zip(names, step.run(values)))
+            else:
+                t0 = time.perf_counter()
+                self._run_torch(step, values, state, keep_state)
+                t_torch += time.perf_counter() - t0
+            for x in self._drop[i]:
+                values.pop(x, None)
+        self.boundary_s += t_torch
+        return [values[n] for n in self.output_names]
+
+    def _run_torch(self, step: _TorchStep, values: dict, state: dict | None, keep_state: bool) -> None:
+        self.torch_calls += 1
+        if step.grad:
+            grads = [values[x] if x else None for x in step.inputs]
+            results = run_backward(step.forward, grads, step.wanted, state, keep_state)
+            for name, r in zip(step.outputs, results):
+                if r is not None:
+                    values[name] = r
+            return
+        outs = run_forward(step.key, step.name, [values[x] for x in step.inputs], step.grad_inputs, state)
+        if len(outs) != len(step.outputs):
+            raise RuntimeError(f"torch node {step.name!r} returned {len(outs)} tensors where the graph has "
+                               f"{len(step.outputs)}: its outputs depend on more than the captured shapes")
+        for name, t, (elem, dims) in zip(step.outputs, outs, step.declared):
+            if (elem and _ONNX_OF.get(t.dtype) != elem) or (dims is not None and (
+                    len(dims) != t.dim() or any(d is not None and d != s for d, s in zip(dims, t.shape)))):
+                raise RuntimeError(
+                    f"torch node {step.name!r} ({lookup_call(step.key).what}) returned {name!r} as "
+                    f"{t.dtype} {tuple(t.shape)}, where the captured graph has type {elem} and dims {dims}: "
+                    "its result depends on more than the captured shapes and dtypes")
+            values[name] = t
+
+    @property
+    def session(self):
+        """The first ORT segment's session (profiling); see :attr:`sessions`."""
+        return next(step.session for kind, step, _ in self.steps if kind == "ort")
+
+    @property
+    def sessions(self) -> list:
+        return [step.session for kind, step, _ in self.steps if kind == "ort"]

@@ -1,0 +1,177 @@
+"""Torch nodes: pieces of an ORT-run graph that run as torch calls (a custom ``autograd.Function``, or
+an ATen op no ONNX translation or gradient rule covers), and their gradient nodes.
+
+# NOTE [torch nodes]: the forward graph holds a ``pkg.ortmodule.torch::TorchCall`` node whose ``key``
+# names a :class:`TorchCall` in this process's table: the callable, the call's non-tensor arguments
+# (baked as the capture saw them, as every other constant of the graph) and its outputs. The
+# executor (``runtime/segments.py``) runs the ORT segments around it and calls torch in between,
+# zero-copy both ways (DLPack). In a training forward the call runs under ``enable_grad`` on detached
+# copies of its inputs, so torch records its own backward (the Function's ``backward``, the ATen
+# op's derivative) and keeps the ``ctx`` state it saves; the pair (inputs, outputs) goes into the
+# run's state, which ``ORTFunction`` keeps on its ctx. The ``TorchCallGrad`` node of the backward
+# graph reads that pair by the forward node's name and calls ``torch.autograd.grad``: the forward
+# is not run again, and its random draws, saved tensors and ctx attributes are those of the
+# forward run, as in eager. The state is dropped after the backward unless the graph is retained.
+#
+# The table is per process: a graph with torch nodes is never written to the persistent cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+TORCH_DOMAIN = "pkg.ortmodule.torch"
+CALL_OP = "TorchCall"
+GRAD_OP = "TorchCallGrad"
+
+
+@dataclasses.dataclass
+class TorchCall:
+    """One call that runs in torch: ``fn(*tensors)`` returns a tensor or a tuple of tensors."""
+
+    fn: Callable
+    what: str  # "custom autograd.Function 'GradReverse'" / "aten::upsample_bilinear2d.vec"
+    reason: str  # why it runs in torch, for explain()
+    where: str = ""  # the user's line or the torch module path
+    n_outputs: int = 0  # known once the capture ran it (on fake tensors)
+    single: bool = True  # fn returns one tensor, not a tuple
+
+
+_table: dict[int, TorchCall] = {}
+_keys = itertools.count()
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def register_call(call: TorchCall) -> int:
+    with _lock:
+        key = next(_keys)
+        _table[key] = call
+    return key
+
+
+def lookup_call(key: int) -> TorchCall:
+    call = _table.get(key)
+    if call is None:
+        raise RuntimeError(f"torch node {key} is not known in this process (NOTE [torch nodes]): a graph "
+                           "with torch nodes cannot be loaded from another process")
+    return call
+
+
+def inside_call() -> bool:
+    """Whether this thread is running a torch node's callable (a custom Function inside it is a
+    plain call, not another torch node)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def _invoke(call: TorchCall, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        out = call.fn(*tensors)
+    finally:
+        _local.depth -= 1
+    outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else None
+    if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
+        raise TypeError(f"{call.what} returned {type(out).__name__}; a torch node must return a tensor or a "
+                        "tuple of tensors")
+    return outs
+
+
+_defined: list = []
+
+
+def define_torch_call_op() -> None:
+    """``ortmodule::torch_call(Tensor[] xs, int key) -> Tensor[]``: the placeholder the capture records
+    for a torch node (real kernel: the call; fake kernel: the call on fake tensors, which gives the
+    output shapes)."""
+    if _defined:
+        return
+    with _lock:
+        if _defined:
+            return
+        lib = torch.library.Library("ortmodule", "FRAGMENT")
+        lib.define("torch_call(Tensor[] xs, int key) -> Tensor[]")
+
+        def real(xs, key):
+            with torch.no_grad():
+                return [t.clone() for t in _invoke(lookup_call(key), xs)]
+
+        def fake(xs, key):
+            call = lookup_call(key)
+            with torch._C.DisableTorchFunction(), torch.no_grad():  # no capture-time modes inside
+                out = _fake_invoke(call, xs)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            call.n_outputs = len(outs)
+            call.single = isinstance(out, torch.Tensor)
+            # an output may not alias an input or another output: the op's schema says it returns new tensors
+            return [t.clone() for t in outs]
+
+        lib.impl("torch_call", real, "CompositeExplicitAutograd")
+        lib.impl("torch_call", fake, "Meta")
+        _defined.append(lib)
+
+
+def _fake_invoke(call: TorchCall, xs):
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        out = call.fn(*xs)
+    finally:
+        _local.depth -= 1
+    if not (isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and out
+                                               and all(isinstance(t, torch.Tensor) for t in out))):
+        raise TypeError(f"{call.what} returns {type(out).__name__}: a torch node must return a tensor or a "
+                        "tuple of tensors")
+    return out
+
+
+def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs: Sequence[int],
+                state: dict | None) -> list[torch.Tensor]:
+    """Run the forward torch node ``name``. With ``state`` (a training forward), the inputs at
+    ``grad_inputs`` get gradients and torch keeps the call's backward for :func:`run_backward`."""
+    call = lookup_call(key)
+    if state is None or not grad_inputs:
+        with torch.no_grad():
+            return _detached(_invoke(call, inputs))
+    leaves = list(inputs)
+    for i in grad_inputs:
+        leaves[i] = inputs[i].detach().requires_grad_(True)
+    device = inputs[0].device.type if inputs else "cpu"
+    with torch.enable_grad(), torch.autocast(device, enabled=False):  # the graph holds its own casts
+        outs = _invoke(call, leaves)
+    state[name] = ([leaves[i] for i in grad_inputs], outs)
+    return _detached(outs)
+
+
+def _detached(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach() for t in outs]
+
+
+def run_backward(name: str, grads: Sequence[torch.Tensor | None], wanted: Sequence[bool],
+                 state: dict | None, keep: bool) -> list[torch.Tensor | None]:
+    """The gradients of forward node ``name``'s ``grad_inputs`` (those ``wanted``) given its output
+    gradients (``None``: no gradient reaches that output)."""
+    if state is None or name not in state:
+        raise RuntimeError(f"the backward of torch node {name!r} found no forward state: was the forward run "
+                           "without grad, or is this a second backward without retain_graph=True?")
+    leaves, outs = state[name] if keep else state.pop(name)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    targets = [leaf for leaf, w in zip(leaves, wanted) if w]
+    found: list = [None] * len(targets)
+    if pairs and targets:
+        with torch.enable_grad():
+            found = list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                             allow_unused=True, retain_graph=keep))
+    it = iter(found)
+    result: list[torch.Tensor | None] = []
+    for leaf, w in zip(leaves, wanted):
+        if not w:
+            result.append(None)
+            continue
+        g = next(it)
+        result.append(torch.zeros_like(leaf) if g is None else g)
+    return result
