@@ -208,6 +208,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     """Autodiff + partition of ``exported`` for the inputs whose name maps to True in ``requires_grad``;
     ``policy`` decides which saved values are recomputed instead (NOTE [recompute])."""
     model = ir.from_proto(exported.model)
+    model.opset_imports.setdefault(TORCH_DOMAIN, 1)  # rules may emit ATen nodes (NOTE [ATen kernels])
     graph = model.graph
     initializers = [ir.serde.serialize_tensor(v.const_value) for v in graph.initializers.values()]
     init_values = set(graph.initializers.values())

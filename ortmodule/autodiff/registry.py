@@ -128,6 +128,16 @@ class GradBuilder:
         self.nodes.append(node)
         return node.outputs
 
+    def aten(self, op: str, inputs: Sequence[ir.Value | None], args: Sequence, outputs: Sequence[int]
+             ) -> Sequence[ir.Value]:
+        """An ``ATen`` node calling torch's ``op`` (NOTE [ATen kernels]): ``args`` is its argument
+        list with ``Arg(i)`` for the node's input i; the node's outputs are the returned tensors at
+        ``outputs``."""
+        from ..runtime.torch_nodes import ATEN_OP, TORCH_DOMAIN, encode_args
+
+        return self.op_multi(ATEN_OP, inputs, {"op": op, "args": encode_args(args), "outputs": list(outputs)},
+                             domain=TORCH_DOMAIN, num_outputs=len(outputs))
+
     # -- constants -----------------------------------------------------------------------------
     def const(self, value, dtype: ir.DataType | None = None) -> ir.Value:
         """A Constant node; ``dtype`` defaults to float32 for floats and int64 for ints."""

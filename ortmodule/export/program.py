@@ -265,7 +265,9 @@ class ShapeGuard:
 
     def __post_init__(self) -> None:
         source = " and ".join(f"({c})" for c in self.code) or "True"
-        object.__setattr__(self, "_check", eval(f"lambda L: {source}", {"__builtins__": {}}))  # noqa: S307
+        # torch writes guards with max/min (a conv's output size: ``max(1, s2 - 2)``)
+        safe = {"__builtins__": {}, "max": max, "min": min, "abs": abs}
+        object.__setattr__(self, "_check", eval(f"lambda L: {source}", safe))  # noqa: S307
 
     def __getstate__(self) -> dict:  # the compiled check is rebuilt (NOTE [persistent cache])
         return {k: v for k, v in self.__dict__.items() if k != "_check"}

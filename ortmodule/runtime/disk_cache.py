@@ -246,10 +246,12 @@ def export_key(module: nn.Module, signature: Any, frontend: str, options: tuple)
 
 def training_key(exported: Any, requires_grad: dict[str, bool], recompute: Any = None) -> str:
     """The key of the training graphs built from ``exported``: its graph's hash, the grad mask and
-    the recompute policy (NOTE [recompute])."""
+    the recompute policy (NOTE [recompute]) and the ATen kernels chosen (NOTE [ATen kernels])."""
+    from ..autodiff.rules.aten import aten_kernels
+
     graph = hashlib.sha256(exported.model.SerializeToString(deterministic=True)).hexdigest()
     return _digest(("training", versions(), graph, exported.num_user_outputs, exported.mutated_buffers,
-                    tuple(sorted(requires_grad.items())), repr(recompute)))
+                    tuple(sorted(requires_grad.items())), repr(recompute), tuple(sorted(aten_kernels()))))
 
 
 # -- source files --------------------------------------------------------------------------------

@@ -17,7 +17,17 @@ import onnx
 import torch
 
 from .session import GraphRunner, make_session_options
-from .torch_nodes import GRAD_OP, TORCH_DOMAIN, lookup_call, run_backward, run_forward
+from .torch_nodes import (
+    ATEN_OP,
+    GRAD_OP,
+    TORCH_DOMAIN,
+    decode_args,
+    lookup_call,
+    resolve_aten,
+    run_aten,
+    run_backward,
+    run_forward,
+)
 
 
 def has_torch_nodes(model: onnx.ModelProto) -> bool:
@@ -80,7 +90,15 @@ class _TorchStep:
         self.outputs = list(node.output)
         attrs = _attrs(node)
         self.grad = node.op_type == GRAD_OP
-        if self.grad:
+        self.aten = None
+        if node.op_type == ATEN_OP:  # NOTE [ATen kernels]
+            name = attrs["op"].decode() if isinstance(attrs["op"], bytes) else attrs["op"]
+            args = attrs["args"].decode() if isinstance(attrs["args"], bytes) else attrs["args"]
+            self.what = name
+            self.aten = resolve_aten(name)
+            self.build_args = decode_args(args)
+            self.pick = [int(i) for i in attrs["outputs"]]
+        elif self.grad:
             self.forward = attrs["forward"].decode() if isinstance(attrs["forward"], bytes) else attrs["forward"]
             self.wanted = [o in used for o in self.outputs]
         else:
@@ -198,6 +216,11 @@ class SegmentedRunner:
 
     def _run_torch(self, step: _TorchStep, values: dict, state: dict | None, keep_state: bool) -> None:
         self.torch_calls += 1
+        if step.aten is not None:
+            outs = run_aten(step.aten, step.build_args, step.pick, [values[x] if x else None for x in step.inputs])
+            self._check(step, outs, step.what)
+            values.update(zip(step.outputs, outs))
+            return
         if step.grad:
             grads = [values[x] if x else None for x in step.inputs]
             results = run_backward(step.forward, grads, step.wanted, state, keep_state)
@@ -209,14 +232,18 @@ class SegmentedRunner:
         if len(outs) != len(step.outputs):
             raise RuntimeError(f"torch node {step.name!r} returned {len(outs)} tensors where the graph has "
                                f"{len(step.outputs)}: its outputs depend on more than the captured shapes")
+        self._check(step, outs, lookup_call(step.key).what)
+        values.update(zip(step.outputs, outs))
+
+    @staticmethod
+    def _check(step: _TorchStep, outs: list[torch.Tensor], what: str) -> None:
         for name, t, (elem, dims) in zip(step.outputs, outs, step.declared):
             if (elem and _ONNX_OF.get(t.dtype) != elem) or (dims is not None and (
                     len(dims) != t.dim() or any(d is not None and d != s for d, s in zip(dims, t.shape)))):
                 raise RuntimeError(
-                    f"torch node {step.name!r} ({lookup_call(step.key).what}) returned {name!r} as "
-                    f"{t.dtype} {tuple(t.shape)}, where the captured graph has type {elem} and dims {dims}: "
+                    f"torch node {step.name!r} ({what}) returned {name!r} as "
+                    f"{t.dtype} {tuple(t.shape)}, where the graph has type {elem} and dims {dims}: "
                     "its result depends on more than the captured shapes and dtypes")
-            values[name] = t
 
     @property
     def session(self):

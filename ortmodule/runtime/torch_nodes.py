@@ -28,6 +28,7 @@ import torch
 TORCH_DOMAIN = "pkg.ortmodule.torch"
 CALL_OP = "TorchCall"
 GRAD_OP = "TorchCallGrad"
+ATEN_OP = "ATen"  # NOTE [ATen kernels]: a stateless ATen call (a fused backward kernel)
 
 
 @dataclasses.dataclass
@@ -175,3 +176,70 @@ def run_backward(name: str, grads: Sequence[torch.Tensor | None], wanted: Sequen
         g = next(it)
         result.append(torch.zeros_like(leaf) if g is None else g)
     return result
+
+
+# -- stateless ATen kernels -----------------------------------------------------------------------
+# NOTE [ATen kernels]: a gradient rule may emit an ``ATen`` node instead of a chain of ONNX ops where
+# torch has a fused kernel that is faster (measured per op: autodiff/rules/aten.py). The node names
+# the ATen overload (``aten::convolution_backward.default``) and its arguments as JSON, tensors as
+# ``{"t": i}`` (the node's input i): nothing refers to this process, so such graphs are written to
+# the persistent cache like any other. It runs under ``no_grad``, its outputs are the returned
+# tensors at ``outputs``.
+
+
+class Arg:
+    """The node's input ``i`` inside an ATen argument template."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def encode_args(args) -> str:
+    import json
+
+    def enc(a):
+        if isinstance(a, Arg):
+            return {"t": a.i}
+        if isinstance(a, (list, tuple)):
+            return [enc(x) for x in a]
+        if isinstance(a, torch.dtype):
+            return {"dtype": str(a).removeprefix("torch.")}
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        raise TypeError(f"an ATen node argument cannot be {type(a).__name__}")
+
+    return json.dumps([enc(a) for a in args])
+
+
+def decode_args(text: str):
+    """A function of the node's inputs that returns the call's positional arguments."""
+    import json
+
+    def dec(a):
+        if isinstance(a, dict):
+            if "t" in a:
+                i = a["t"]
+                return lambda ts: ts[i]
+            dtype = getattr(torch, a["dtype"])
+            return lambda ts: dtype
+        if isinstance(a, list):
+            parts = [dec(x) for x in a]
+            return lambda ts: [p(ts) for p in parts]
+        return lambda ts: a
+
+    parts = [dec(a) for a in json.loads(text)]
+    return lambda ts: [p(ts) for p in parts]
+
+
+def resolve_aten(name: str):
+    """``aten::convolution_backward.default`` -> the OpOverload."""
+    ns, rest = name.split("::")
+    op, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
+
+
+def run_aten(op, build_args, pick: Sequence[int], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = op(*build_args(inputs))
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    return [outs[i] for i in pick]

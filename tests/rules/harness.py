@@ -55,6 +55,7 @@ from onnx.reference.ops._op import OpRunUnaryNum
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ortmodule.autodiff import build_gradient
+from ortmodule.runtime.torch_nodes import TORCH_DOMAIN
 
 from .opinfo import OpCase
 
@@ -180,6 +181,8 @@ def _build(case: OpCase, inputs: Sequence[np.ndarray | None], *, prune: bool = F
     except Exception as exc:
         raise _fail(case, f"build_gradient failed: {type(exc).__name__}: {exc}") from exc
     graph.extend(gg.nodes)
+    if any(n.domain == TORCH_DOMAIN for n in gg.nodes):  # an ATen kernel (NOTE [ATen kernels])
+        model.opset_imports.setdefault(TORCH_DOMAIN, 1)
     for gi in gg.grad_outputs:
         graph.inputs.append(gi)
     dx_present = []
@@ -224,7 +227,25 @@ def _build(case: OpCase, inputs: Sequence[np.ndarray | None], *, prune: bool = F
                   [gi.name for gi in gg.grad_outputs], dx_present, annotated)
 
 
+class _Segmented:
+    """A graph with torch nodes (an ``ATen`` backward kernel, NOTE [ATen kernels]) run as ortmodule
+    runs it, behind ``InferenceSession.run``'s numpy interface."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        from ortmodule.runtime.segments import SegmentedRunner
+
+        self.runner = SegmentedRunner(model, torch.device("cpu"))
+
+    def run(self, names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outs = self.runner.run({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()})
+        return [o.numpy() for o in outs]
+
+
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    from ortmodule.runtime.segments import has_torch_nodes
+
+    if has_torch_nodes(model):
+        return _Segmented(model)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1  # tiny graphs: threads only add overhead
     opts.log_severity_level = 3

@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 
 from ortmodule.autodiff import build_gradient, differentiable_values, registered_ops
 from ortmodule.autodiff.registry import lookup
+from ortmodule.autodiff.rules.aten import KERNELS
 from ortmodule.runtime.torch_nodes import TORCH_DOMAIN
 
 from .harness import check_finite_differences, check_torch_parity
@@ -62,8 +63,18 @@ def test_torch_parity(case: OpCase):
     check_torch_parity(case)
 
 
+@pytest.mark.parametrize("case", [p for p in _params(fd=False) if p.values[0].op_type in KERNELS])
+def test_torch_parity_of_the_onnx_rule_behind_an_aten_kernel(case: OpCase, monkeypatch):
+    """The ONNX rule still serves what the ATen kernel cannot (asymmetric pads) and
+    ORTMODULE_ATEN_KERNELS=0 (NOTE [ATen kernels]): every row of such an op, with kernels off."""
+    monkeypatch.setenv("ORTMODULE_ATEN_KERNELS", "0")
+    check_torch_parity(case)
+
+
 @pytest.mark.parametrize("case", _params(fd=True))
-def test_finite_differences(case: OpCase):
+def test_finite_differences(case: OpCase, monkeypatch):
+    # the ONNX rules, independently of torch: an ATen kernel is torch's own derivative
+    monkeypatch.setenv("ORTMODULE_ATEN_KERNELS", "0")
     check_finite_differences(case)
 
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from ...runtime.torch_nodes import Arg
 from ..registry import GradBuilder, attr, input_or_none, register
+from .aten import aten_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +220,46 @@ def _bias_grad(g: GradBuilder, dy: ir.Value, rank: int) -> ir.Value:
     return g.reduce_sum(dy, [0, *range(2, rank + 2)], keepdims=False)
 
 
+def _conv_grad_aten(g: GradBuilder, node: ir.Node, dys) -> list | None:
+    """NOTE [ATen kernels]: the input and weight gradients in one ``aten::convolution_backward`` call
+    (oneDNN), the bias gradient a ReduceSum in ORT. ``None`` where torch's symmetric padding cannot
+    express the node (asymmetric pads, ``auto_pad``): the ONNX rule below serves it."""
+    if "Conv" not in aten_kernels():
+        return None
+    x, w = node.inputs[0], node.inputs[1]
+    b = input_or_none(node, 2)
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    if (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET":
+        return None
+    try:
+        rank = len(_kernel(node, w))
+    except ValueError:
+        return None
+    pads = list(attr(node, "pads", [0] * 2 * rank))
+    if pads[:rank] != pads[rank:]:
+        return None
+    strides = list(attr(node, "strides", [1] * rank))
+    dilations = list(attr(node, "dilations", [1] * rank))
+    group = int(attr(node, "group", 1))
+    need_x, need_w = x in g.active, w in g.active
+    grads: list[ir.Value | None] = [None, None] + ([None] if b is not None else [])
+    picks = [i for i, need in ((0, need_x), (1, need_w)) if need]
+    if picks:
+        args = [Arg(0), Arg(1), Arg(2), None, strides, pads[:rank], dilations, False, [0] * rank, group,
+                [need_x, need_w, False]]
+        outs = g.aten("aten::convolution_backward.default", [dys[0], x, w], args, picks)
+        for i, out in zip(picks, outs):
+            grads[i] = out
+    if b is not None and b in g.active:
+        grads[2] = _bias_grad(g, dys[0], rank)
+    return grads
+
+
 @register("Conv")
 def conv_grad(g: GradBuilder, node: ir.Node, dys):
+    fused = _conv_grad_aten(g, node, dys)
+    if fused is not None:
+        return fused
     x, w = node.inputs[0], node.inputs[1]
     b = input_or_none(node, 2)
     (y,), dy = node.outputs, dys[0]

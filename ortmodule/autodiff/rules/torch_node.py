@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ...runtime.torch_nodes import CALL_OP, GRAD_OP, TORCH_DOMAIN
+from ...runtime.torch_nodes import ATEN_OP, CALL_OP, GRAD_OP, TORCH_DOMAIN
 from ..registry import GradBuilder, is_float, register, register_nondifferentiable
 
 
@@ -29,4 +29,4 @@ def torch_call_grad(g: GradBuilder, node: ir.Node, dys):
 
 
 # The gradient node itself is not differentiated again (NOTE [no double backward] in function.py).
-register_nondifferentiable(GRAD_OP, domain=TORCH_DOMAIN)
+register_nondifferentiable(GRAD_OP, ATEN_OP, domain=TORCH_DOMAIN)  # ATen: backward kernels

@@ -1,0 +1,29 @@
+"""Which gradient rules use a fused ATen kernel instead of a chain of ONNX ops (NOTE [ATen kernels]).
+
+Each op's choice was measured (A/B in the commit that made it; ``benchmarks/bench_train.py``).
+``ORTMODULE_ATEN_KERNELS`` sets it: ``1`` (default) every op below, ``0`` none, or a comma list.
+"""
+
+from __future__ import annotations
+
+import os
+
+# op -> what was measured when it was chosen
+KERNELS = {
+    "Conv": "aten::convolution_backward (oneDNN)",
+}
+
+
+def aten_kernels() -> frozenset[str]:
+    """The ops whose gradient rule uses an ATen kernel now (read from the environment each build)."""
+    value = os.environ.get("ORTMODULE_ATEN_KERNELS", "1").strip()
+    if value.lower() in ("", "1", "true", "on", "all"):
+        return frozenset(KERNELS)
+    if value.lower() in ("0", "false", "off", "none"):
+        return frozenset()
+    chosen = frozenset(v.strip() for v in value.split(",") if v.strip())
+    unknown = chosen - set(KERNELS)
+    if unknown:
+        raise ValueError(f"ORTMODULE_ATEN_KERNELS names {sorted(unknown)}; the ops with an ATen kernel are "
+                         f"{sorted(KERNELS)} (or 1 / 0)")
+    return chosen
