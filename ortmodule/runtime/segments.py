@@ -65,6 +65,24 @@ def _subgraph_reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+def _tensor(proto: onnx.TensorProto, device: torch.device) -> torch.Tensor:
+    import onnx.numpy_helper
+
+    return torch.from_numpy(onnx.numpy_helper.to_array(proto).copy()).to(device)
+
+
+def _constant(node: onnx.NodeProto, device: torch.device) -> torch.Tensor:
+    (a,) = node.attribute
+    if a.name == "value":
+        return _tensor(a.t, device)
+    value = onnx.helper.get_attribute_value(a)
+    dtype = {"value_float": torch.float32, "value_floats": torch.float32, "value_int": torch.int64,
+             "value_ints": torch.int64}.get(a.name)
+    if dtype is None:
+        raise RuntimeError(f"torch nodes: a Constant with {a.name!r} cannot be read by a torch node")
+    return torch.tensor(list(value) if isinstance(value, (list, tuple)) else value, dtype=dtype, device=device)
+
+
 def _reads(node: onnx.NodeProto) -> list[str]:
     reads = [x for x in node.input if x]
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -161,6 +179,17 @@ class SegmentedRunner:
                 self.n_segments += 1
             for node in torch_nodes[k]:
                 self.steps.append(("torch", _TorchStep(node, used, types), None))
+        # Constants and initializers live inside the segments that read them; a torch node that reads
+        # one gets it as a tensor made once here.
+        self._fixed: dict[str, torch.Tensor] = {}
+        for kind, step, _ in self.steps:
+            if kind != "torch":
+                continue
+            for x in step.inputs:
+                if x in constants and x not in self._fixed:
+                    self._fixed[x] = _constant(constants[x], device)
+                elif x in initializers and x not in self._fixed:
+                    self._fixed[x] = _tensor(initializers[x], device)
         # NOTE [segments]: each value is dropped after the last step that reads it
         last: dict[str, int] = {}
         for i, (kind, step, _) in enumerate(self.steps):
@@ -200,7 +229,7 @@ class SegmentedRunner:
 
     def run(self, feeds: dict[str, torch.Tensor], state: dict | None = None,
             keep_state: bool = False) -> list[torch.Tensor]:
-        values = dict(feeds)
+        values = {**self._fixed, **feeds}
         t_torch = 0.0
         for i, (kind, step, names) in enumerate(self.steps):
             if kind == "ort":

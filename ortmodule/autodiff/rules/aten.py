@@ -11,6 +11,8 @@ import os
 # op -> what was measured when it was chosen
 KERNELS = {
     "Conv": "aten::convolution_backward (oneDNN)",
+    "MaxPool": "ortmodule::max_pool2d_backward (torch's channels-last pooling)",
+    "BatchNormalization": "aten::native_batch_norm_backward (batch-statistics BN)",
 }
 
 

@@ -8,7 +8,9 @@ import onnx_ir as ir
 
 from ...errors import GradientRuleError, node_location
 from ...passes import BATCH_STATS_KEY
+from ...runtime.torch_nodes import Arg
 from ..registry import GradBuilder, attr, input_or_none, register, static_shape
+from .aten import aten_kernels
 
 
 def _rank(x: ir.Value, op_type: str) -> int:
@@ -46,6 +48,26 @@ def _normalize_backward(g: GradBuilder, dxhat: ir.Value, xhat: ir.Value, invstd:
 def _per_channel(g: GradBuilder, p: ir.Value, rank: int) -> ir.Value:
     """A ``[C]`` parameter as ``[1, C, 1, ...]`` for broadcasting against ``[N, C, D...]``."""
     return g.op("Unsqueeze", [p, g.ints([0, *range(2, rank)])], dtype=p.dtype)
+
+
+def _batch_stats_grads_aten(g: GradBuilder, node: ir.Node, dy: ir.Value, eps: float) -> list | None:
+    """NOTE [ATen kernels]: the three gradients of a batch-statistics BN in one
+    ``aten::native_batch_norm_backward`` call, from the saved batch mean and ``1 / sqrt(var + eps)``
+    (a [C] Reciprocal in ORT)."""
+    if "BatchNormalization" not in aten_kernels():
+        return None
+    x, scale, bias, mean, var = node.inputs[:5]
+    need = [x in g.active, scale in g.active, bias in g.active]
+    picks = [i for i, n in enumerate(need) if n]
+    grads: list[ir.Value | None] = [None] * len(node.inputs)
+    if not picks:
+        return grads
+    invstd = g.op("Reciprocal", [g.op("Sqrt", [g.add(var, g.scalar_like(eps, var))])], dtype=var.dtype)
+    outs = g.aten("aten::native_batch_norm_backward.default", [dy, x, scale, mean, invstd],
+                  [Arg(0), Arg(1), Arg(2), None, None, Arg(3), Arg(4), True, eps, need], picks)
+    for i, out in zip(picks, outs):
+        grads[i] = out
+    return grads
 
 
 def _batch_stats_grads(g: GradBuilder, node: ir.Node, dy: ir.Value, rank: int, axes: list[int], eps: float):
@@ -94,7 +116,8 @@ def batch_norm_grad(g: GradBuilder, node: ir.Node, dys):
     if node.metadata_props.get(BATCH_STATS_KEY):
         # NOTE [batch-stats BN]: mean/var are this batch's statistics (gradient-stopped, as torch's
         # batch norm treats them through the batch formula): read them instead of recomputing.
-        return _batch_stats_grads(g, node, dy, rank, axes, eps)
+        fused = _batch_stats_grads_aten(g, node, dy, eps)
+        return fused if fused is not None else _batch_stats_grads(g, node, dy, rank, axes, eps)
     elif int(attr(node, "training_mode", 0)):
         # Batch statistics: the input mean/var do not reach Y.
         xhat, _, invstd = _normalized(g, x, axes, eps)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ...runtime.torch_nodes import Arg
 from ..registry import GradBuilder, attr, register, static_shape
+from .aten import aten_kernels
 from .conv import WindowGeometry, window_adjoint, window_geometry
 
 
@@ -17,6 +19,28 @@ def _zeros_flat(g: GradBuilder, x: ir.Value) -> ir.Value:
     )
     zero = ir.tensor(np.zeros(1, dtype=x.dtype.numpy()))
     return g.op("ConstantOfShape", [n], {"value": zero}, dtype=x.dtype)
+
+
+def _max_pool_grad_aten(g: GradBuilder, node: ir.Node, dy: ir.Value) -> ir.Value | None:
+    """NOTE [ATen kernels]: a 2-d max pool's dX by torch's kernel (``ortmodule::max_pool2d_backward``),
+    its arg-max recomputed on a channels-last copy; ``None`` where torch's pooling cannot express the
+    node (asymmetric pads, ``auto_pad``, 1-d/3-d, a pad over half the kernel)."""
+    if "MaxPool" not in aten_kernels():
+        return None
+    (x,) = node.inputs
+    kernel = list(attr(node, "kernel_shape"))
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    if len(kernel) != 2 or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET":
+        return None
+    pads = list(attr(node, "pads", None) or [0] * 4)
+    if pads[:2] != pads[2:] or any(2 * p > k for p, k in zip(pads[:2], kernel)):
+        return None
+    strides = list(attr(node, "strides", None) or [1, 1])
+    dilations = list(attr(node, "dilations", None) or [1, 1])
+    ceil = bool(attr(node, "ceil_mode", 0))
+    (dx,) = g.aten("ortmodule::max_pool2d_backward", [dy, x],
+                   [Arg(0), Arg(1), kernel, strides, pads[:2], dilations, ceil], [0])
+    return dx
 
 
 @register("MaxPool")
@@ -31,6 +55,9 @@ def max_pool_grad(g: GradBuilder, node: ir.Node, dys):
     """
     (x,) = node.inputs
     dy = dys[0]
+    fused = _max_pool_grad_aten(g, node, dy)
+    if fused is not None:
+        return [fused]
     indices = None
     if len(node.outputs) > 1 and node.outputs[1].name and int(attr(node, "storage_order", 0)) == 0:
         indices = node.outputs[1]
