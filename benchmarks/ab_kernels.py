@@ -33,11 +33,8 @@ def main(argv=None) -> int:
     inputs = data()
 
     def step(m) -> None:
-        if isinstance(inputs, dict):
-            loss = m(**inputs).loss
-        else:
-            x, y = inputs
-            loss = loss_fn(m(x), y)
+        x, y = inputs
+        loss = loss_fn(m(**x), y) if isinstance(x, dict) else loss_fn(m(x), y)
         loss.backward()
 
     runs = {"eager": model}

@@ -202,6 +202,10 @@ def encode_args(args) -> str:
             return {"t": a.i}
         if isinstance(a, (list, tuple)):
             return [enc(x) for x in a]
+        if type(a).__name__ == "DataType":  # an onnx_ir dtype: as torch's
+            import numpy as np
+
+            a = torch.from_numpy(np.empty(0, dtype=a.numpy())).dtype
         if isinstance(a, torch.dtype):
             return {"dtype": str(a).removeprefix("torch.")}
         if a is None or isinstance(a, (bool, int, float, str)):
