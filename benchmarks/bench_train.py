@@ -49,8 +49,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BUILTIN_MODELS = ("mlp", "cnn", "bert", "gpt2")
 ALL_MODES = ("eager", "compile", "ortmodule")
-# ortmodule: the default front end (torch.export); ortmodule-torchscript: the legacy TorchScript one.
-ORT_MODES = ("ortmodule", "ortmodule-torchscript")
+# ortmodule: the default front end (torch.export), torch imported first as users do;
+# ortmodule-ortfirst: the same with ortmodule imported before torch (NOTE [threads]: it sets
+# GOMP_SPINCOUNT before torch loads); ortmodule-torchscript: the legacy TorchScript front end.
+ORT_MODES = ("ortmodule", "ortmodule-ortfirst", "ortmodule-torchscript")
 MARK = "@@BENCH "  # prefix of the protocol lines a worker writes
 
 # Repetitions: warmup steps, then `reps` rounds of `inner` timed steps of each kind, per model.
@@ -181,13 +183,15 @@ def is_plugin(name: str) -> bool:
 # Worker: one (model, mode) in its own process, driven by commands on stdin
 # ================================================================================================
 class _OrtRunTimer:
-    """Accumulates the wall time spent inside ORT session runs (GraphRunner.run)."""
+    """Accumulates the wall time spent inside ORT session runs (GraphRunner.run, every segment of a
+    graph with torch nodes) and, apart, inside torch nodes (NOTE [torch nodes])."""
 
     total = 0.0
+    torch_total = 0.0
 
     @classmethod
     def install(cls):
-        from ortmodule.runtime import session
+        from ortmodule.runtime import segments, session
 
         original = session.GraphRunner.run
 
@@ -199,6 +203,16 @@ class _OrtRunTimer:
                 cls.total += time.perf_counter() - t0
 
         session.GraphRunner.run = timed_run
+        original_torch = segments.SegmentedRunner._run_torch
+
+        def timed_torch(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return original_torch(self, *args)
+            finally:
+                cls.torch_total += time.perf_counter() - t0
+
+        segments.SegmentedRunner._run_torch = timed_torch
 
 
 def _batch_size(inputs) -> int:
@@ -259,7 +273,7 @@ class Worker:
         """One forward+loss+backward, each part timed; gradients reset (untimed) first."""
         self.opt.zero_grad(set_to_none=True)
         inputs, target = self.make_batch()
-        ort0 = _OrtRunTimer.total
+        ort0, torch0 = _OrtRunTimer.total, _OrtRunTimer.torch_total
         t0 = time.perf_counter()
         out = _call(self.model, inputs)
         t1 = time.perf_counter()
@@ -274,7 +288,7 @@ class Worker:
         self._sample_rss()
         return {
             "fwd": t1 - t0, "loss": t2 - t1, "bwd": t3 - t2b, "total": (t3 - t2b) + (t2 - t0),
-            "ort_fwd": ort1 - ort0, "ort_bwd": ort2 - ort1,
+            "ort_fwd": ort1 - ort0, "ort_bwd": ort2 - ort1, "torch_nodes": _OrtRunTimer.torch_total - torch0,
         }
 
     def full_step(self) -> float:
@@ -393,9 +407,9 @@ class WorkerHandle:
             cmd.append("--quick")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        if mode in ORT_MODES and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & env.keys():
+        if mode == "ortmodule-ortfirst" and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & env.keys():
             # What `import ortmodule` before `import torch` does (NOTE [threads] in
-            # ortmodule/__init__.py); eager and compile keep torch's default.
+            # ortmodule/__init__.py); every other mode keeps torch's default, as `import torch` first does.
             env["GOMP_SPINCOUNT"] = "10000"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, bufsize=1, env=env)
@@ -532,7 +546,9 @@ def summarize(h: WorkerHandle, s: dict) -> dict:
         ort_b = _median(ms([p["ort_bwd"] for p in fb]))
         res["ort_breakdown_ms"] = {
             "forward_run": ort_f, "backward_run": ort_b,
-            "torch_overhead": _median(ms([p["total"] - p["ort_fwd"] - p["ort_bwd"] for p in fb])),
+            "torch_nodes": _median(ms([p.get("torch_nodes", 0.0) for p in fb])),
+            "torch_overhead": _median(ms([p["total"] - p["ort_fwd"] - p["ort_bwd"] - p.get("torch_nodes", 0.0)
+                                          for p in fb])),
             "forward_wall": res["fwd_median_ms"], "backward_wall": res["bwd_median_ms"],
         }
         stats = res.get("ort_stats") or {}
@@ -626,7 +642,10 @@ def _ort_lines(lines: list[str], mode: str, ort: dict) -> None:
         lines.append(
             f"ORTModule ({mode}) steady fwd+bwd (medians of separate quantities, so they need not add up): "
             f"ORT forward session run {b['forward_run']:.2f} ms, ORT backward session run "
-            f"{b['backward_run']:.2f} ms; the rest of a step outside the two session runs "
+            f"{b['backward_run']:.2f} ms (every ORT segment), torch calls inside the graphs (torch nodes and "
+            f"ATen backward kernels) {b.get('torch_nodes', 0.0):.2f} ms "
+            f"({(ort.get('ort_stats') or {}).get('torch_nodes', 0)} torch nodes in the forward); the rest of a step "
+            "outside these "
             f"{b['torch_overhead']:.2f} ms (the loss, Python, binding, autograd). Wall time of the "
             f"forward call {b['forward_wall']:.2f} ms and of loss.backward() {b['backward_wall']:.2f} ms, "
             "each including its session run."
