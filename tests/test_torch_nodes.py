@@ -393,3 +393,121 @@ def test_explain_lists_the_torch_nodes_and_why():
     seg = explain(SegHead(), torch.randn(2, 3, 16, 16))
     assert {t.what for t in seg.torch_nodes} == {"aten::upsample_bilinear2d.vec", "aten::pixel_shuffle.default"}
     assert all("no gradient rule" in t.reason for t in seg.torch_nodes), seg
+
+
+class TwoGelus(nn.Module):
+    """The same custom Function in two places (two torch nodes, two states) inside transformer-like
+    blocks, for the recompute and verify tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64)) for _ in range(2))
+        self.outs = nn.ModuleList(nn.Linear(64, 32) for _ in range(2))
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        for block, out in zip(self.blocks, self.outs):
+            x = x + self.drop(out(MyGelu.apply(block(x))))
+        return self.head(x.mean(1))
+
+
+def _seeded_steps(model, wrapped, steps=3, autocast=None):
+    g = torch.Generator().manual_seed(3)
+    opt_e, opt_o = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, wrapped))
+    for step in range(steps):
+        x, y = torch.randn(8, 16, 32, generator=g), torch.randint(0, 3, (8,), generator=g)
+        losses = []
+        for m, opt in ((model, opt_e), (wrapped, opt_o)):
+            opt.zero_grad()
+            torch.manual_seed(step)
+            if autocast is None:
+                loss = F.cross_entropy(m(x), y)
+            else:
+                with torch.autocast("cpu", dtype=autocast):
+                    loss = F.cross_entropy(m(x).float(), y)
+            loss.backward()
+            losses.append(loss)
+        yield step, losses, opt_e, opt_o
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_torch_nodes_under_recompute_levels(level):
+    """memory_opt_level=1 recomputes each block in the backward: a torch node is never recomputed (its
+    state is the forward's), the ORT parts around it are, and training matches eager."""
+    torch.manual_seed(0)
+    model = TwoGelus()
+    wrapped = ORTModule(copy.deepcopy(model), memory_opt_level=level)
+    for step, losses, opt_e, opt_o in _seeded_steps(model, wrapped):
+        assert_close(losses[1], losses[0], 1e-5, f"loss at step {step}")
+        for (name, pe), (_, po) in zip(model.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad at step {step}")
+        opt_e.step()
+        opt_o.step()
+    assert wrapped.stats.fallbacks == 0 and wrapped.stats.torch_nodes == 2
+
+
+def test_verify_mode_checks_a_graph_with_torch_nodes():
+    torch.manual_seed(0)
+    model = TwoGelus()
+    wrapped = ORTModule(copy.deepcopy(model), verify=True)
+    for step, losses, opt_e, opt_o in _seeded_steps(model, wrapped, steps=2):
+        assert_close(losses[1], losses[0], 1e-5, f"loss at step {step}")
+        opt_e.step()
+        opt_o.step()
+    assert wrapped.stats.verifications == 1 and wrapped.stats.fallbacks == 0
+
+
+def test_custom_function_under_fp16_autocast_matches_eager():
+    """The Function runs under the caller's autocast as in eager; the captured dtypes hold."""
+    torch.manual_seed(0)
+    model = TwoGelus()
+    wrapped = ORTModule(copy.deepcopy(model))
+    for step, losses, opt_e, opt_o in _seeded_steps(model, wrapped, steps=2, autocast=torch.float16):
+        assert_close(losses[1], losses[0], 1e-2, f"loss at step {step}")
+        for (name, pe), (_, po) in zip(model.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 3e-2, f"{name}.grad at step {step}", atol=1e-3)
+        opt_e.step()
+        opt_o.step()
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+
+
+class LinearFn(torch.autograd.Function):
+    """A Function with a matmul inside (autocast casts it in eager), given fp32 input (after a LayerNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return (g @ w.to(g.dtype)).to(x.dtype), (g.t() @ x.to(g.dtype)).to(w.dtype)
+
+
+def test_a_function_with_a_matmul_inside_under_autocast_runs_as_captured():
+    """NOTE [torch node autocast]: the Function's own ops run in its inputs' dtypes (eager casts its
+    matmul to half), so the values agree to half precision and the outputs' dtypes are eager's."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.w = nn.Parameter(torch.randn(8, 16) * 0.2)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(LinearFn.apply(self.norm(x), self.w))
+
+    torch.manual_seed(0)
+    model = Net()
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(32, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        oe, oo = model(x), wrapped(x)
+    assert oo.dtype == oe.dtype
+    assert_close(oo.float(), oe.float(), 1e-2, "output")
+    oe.float().sum().backward()
+    oo.float().sum().backward()
+    assert_close(wrapped.module.w.grad, model.w.grad, 2e-2, "w.grad", atol=1e-2)
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason

@@ -41,6 +41,11 @@ class TorchCall:
     where: str = ""  # the user's line or the torch module path
     n_outputs: int = 0  # known once the capture ran it (on fake tensors)
     single: bool = True  # fn returns one tensor, not a tuple
+    # NOTE [torch node autocast]: a torch node runs with autocast off, as the capture ran it: its
+    # kernel runs below the Autocast key (measured: a matmul inside a Function came out fp32 in the
+    # capture under fp16 autocast), and the graph holds the casts of everything around it. A custom
+    # Function under autocast therefore computes its own ops in its inputs' dtypes (eager would cast
+    # a matmul inside it to half): more precise, never a different dtype than the graph states.
 
 
 _table: dict[int, TorchCall] = {}
@@ -136,16 +141,20 @@ def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs
     ``grad_inputs`` get gradients and torch keeps the call's backward for :func:`run_backward`."""
     call = lookup_call(key)
     if state is None or not grad_inputs:
-        with torch.no_grad():
+        with torch.no_grad(), _autocast_for(call, inputs):
             return _detached(_invoke(call, inputs))
     leaves = list(inputs)
     for i in grad_inputs:
         leaves[i] = inputs[i].detach().requires_grad_(True)
-    device = inputs[0].device.type if inputs else "cpu"
-    with torch.enable_grad(), torch.autocast(device, enabled=False):  # the graph holds its own casts
+    with torch.enable_grad(), _autocast_for(call, inputs):
         outs = _invoke(call, leaves)
     state[name] = ([leaves[i] for i in grad_inputs], outs)
     return _detached(outs)
+
+
+def _autocast_for(call: TorchCall, inputs: Sequence[torch.Tensor]):
+    """Autocast off for the call (NOTE [torch node autocast])."""
+    return torch.autocast(inputs[0].device.type if inputs else "cpu", enabled=False)
 
 
 def _detached(outs: list[torch.Tensor]) -> list[torch.Tensor]:
