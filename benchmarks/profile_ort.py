@@ -88,10 +88,12 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss_fn(bench_train._call(prof, inputs), target).backward()
         files = prof.end_profiling()
-        for k, path in enumerate(files):  # forward, full backward, backward for absent output grads
+        # forward, full backward, backward for absent output grads; a graph with torch nodes has a
+        # session per ORT segment (NOTE [segments]), in order
+        for k, path in enumerate(files):
             summary = _summarise(path, args.steps, args.top, set(filter(None, args.ops.split(","))))
             if summary:
-                print(f"## {args.model}: {'forward' if k == 0 else 'backward'} session\n")
+                print(f"## {args.model}: {'forward' if k == 0 else 'backward'} session ({Path(path).name})\n")
                 print(summary)
                 print()
 

@@ -77,7 +77,8 @@ class CompiledEntry:
         t0 = time.perf_counter()
         if has_torch_nodes(model):  # NOTE [segments]
             runner = SegmentedRunner(model, self.device,
-                                     lambda: make_session_options(profile_prefix=self.profile_prefix),
+                                     lambda segment=0, **kw: make_session_options(
+                                         profile_prefix=_segment_prefix(self.profile_prefix, model, segment), **kw),
                                      stable_inputs=self.stable_inputs)
         else:
             runner = GraphRunner(model, self.device, make_session_options(profile_prefix=self.profile_prefix),
@@ -157,6 +158,12 @@ class CompiledEntry:
         runners = [self._inference, self._forward, self._backward]
         runners += [p[0] for p in self._partial_backward.values() if p is not None]
         return [s.end_profiling() for r in runners if r is not None for s in getattr(r, "sessions", [r.session])]
+
+
+def _segment_prefix(prefix: str | None, model: onnx.ModelProto, segment: int) -> str | None:
+    """A profile file prefix of its own per segment (sessions made in the same second would write one
+    file otherwise)."""
+    return None if prefix is None else f"{prefix}_{model.graph.name}_seg{segment}"
 
 
 def _for_session(backward: onnx.ModelProto) -> onnx.ModelProto:

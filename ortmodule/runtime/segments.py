@@ -168,19 +168,18 @@ class SegmentedRunner:
         later_reads.reverse()
         self.steps: list = []
         self.n_segments = 0
-        make_options = options_factory or make_session_options
+        make_options = options_factory or (lambda segment=0, **kw: make_session_options(**kw))
         for k in range(n_phases):
             torch_reads = {x for n in torch_nodes[k] for x in _reads(n)}
             if any(o in later_reads[k] or o in torch_reads for n in ort_nodes[k] for o in n.output):
                 seg = self._segment(model, ort_nodes[k], constants, initializers, types,
                                     later_reads[k] | torch_reads, k)
-                options = make_options()
+                options = make_options(spinning=False, segment=self.n_segments)
                 # NOTE [segment threads]: torch calls sit between these runs, and after each of them
                 # torch's OpenMP workers spin (for milliseconds with libgomp's defaults, torch imported
                 # first); ORT workers spinning beside them halve both. Segments do not spin: CNN fwd+bwd
                 # with torch imported first 24.3 -> 18.3 ms median (eager 17.5), where a whole graph
                 # keeps spinning (MLP 2.51 vs 2.69 ms, BERT 308 vs 323 ms without).
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 runner = GraphRunner(seg, device, options, stable_inputs=stable_inputs)
                 self.steps.append(("ort", runner, runner.output_names))
                 self.n_segments += 1

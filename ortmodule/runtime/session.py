@@ -12,7 +12,8 @@ _CPU_DEVICE = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
 def make_session_options(
-    intra_op_threads: int | None = None, optimization: str = "all", profile_prefix: str | None = None
+    intra_op_threads: int | None = None, optimization: str = "all", profile_prefix: str | None = None,
+    spinning: bool = True,
 ) -> ort.SessionOptions:
     """Session options chosen once per session.
 
@@ -28,7 +29,8 @@ def make_session_options(
     so.intra_op_num_threads = intra_op_threads or torch.get_num_threads()
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    # (``spinning=False``: the segments between torch calls, NOTE [segment threads] in segments.py)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     so.add_session_config_entry("session.force_spinning_stop", "1")
     so.graph_optimization_level = {
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
