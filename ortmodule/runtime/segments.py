@@ -16,6 +16,7 @@ import time
 import onnx
 import torch
 
+from ..passes.proto import node_attrs
 from .session import GraphRunner, make_session_options
 from .torch_nodes import (
     ATEN_OP,
@@ -36,10 +37,6 @@ def has_torch_nodes(model: onnx.ModelProto) -> bool:
 
 def torch_node_count(model: onnx.ModelProto) -> int:
     return sum(n.domain == TORCH_DOMAIN for n in model.graph.node)
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _subgraph_reads(node: onnx.NodeProto) -> list[str]:
@@ -106,18 +103,16 @@ class _TorchStep:
         self.name = node.name
         self.inputs = list(node.input)
         self.outputs = list(node.output)
-        attrs = _attrs(node)
+        attrs = node_attrs(node)
         self.grad = node.op_type == GRAD_OP
         self.aten = None
         if node.op_type == ATEN_OP:  # NOTE [ATen kernels]
-            name = attrs["op"].decode() if isinstance(attrs["op"], bytes) else attrs["op"]
-            args = attrs["args"].decode() if isinstance(attrs["args"], bytes) else attrs["args"]
-            self.what = name
-            self.aten = resolve_aten(name)
-            self.build_args = decode_args(args)
+            self.what = attrs["op"]
+            self.aten = resolve_aten(attrs["op"])
+            self.build_args = decode_args(attrs["args"])
             self.pick = [int(i) for i in attrs["outputs"]]
         elif self.grad:
-            self.forward = attrs["forward"].decode() if isinstance(attrs["forward"], bytes) else attrs["forward"]
+            self.forward = attrs["forward"]
             self.wanted = [o in used for o in self.outputs]
         else:
             self.key = int(attrs["key"])

@@ -75,17 +75,19 @@ def inside_call() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def _invoke(call: TorchCall, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _invoke(call: TorchCall, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """``call.fn(*tensors)`` as a list of tensors, and whether it returned one tensor (not a tuple)."""
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         out = call.fn(*tensors)
     finally:
         _local.depth -= 1
-    outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else None
-    if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
+    single = isinstance(out, torch.Tensor)
+    outs = [out] if single else list(out) if isinstance(out, (tuple, list)) else None
+    if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
         raise TypeError(f"{call.what} returned {type(out).__name__}; a torch node must return a tensor or a "
                         "tuple of tensors")
-    return outs
+    return outs, single
 
 
 _defined: list = []
@@ -105,34 +107,19 @@ def define_torch_call_op() -> None:
 
         def real(xs, key):
             with torch.no_grad():
-                return [t.clone() for t in _invoke(lookup_call(key), xs)]
+                return [t.clone() for t in _invoke(lookup_call(key), xs)[0]]
 
         def fake(xs, key):
             call = lookup_call(key)
             with torch._C.DisableTorchFunction(), torch.no_grad():  # no capture-time modes inside
-                out = _fake_invoke(call, xs)
-            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+                outs, call.single = _invoke(call, xs)
             call.n_outputs = len(outs)
-            call.single = isinstance(out, torch.Tensor)
             # an output may not alias an input or another output: the op's schema says it returns new tensors
             return [t.clone() for t in outs]
 
         lib.impl("torch_call", real, "CompositeExplicitAutograd")
         lib.impl("torch_call", fake, "Meta")
         _defined.append(lib)
-
-
-def _fake_invoke(call: TorchCall, xs):
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        out = call.fn(*xs)
-    finally:
-        _local.depth -= 1
-    if not (isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and out
-                                               and all(isinstance(t, torch.Tensor) for t in out))):
-        raise TypeError(f"{call.what} returns {type(out).__name__}: a torch node must return a tensor or a "
-                        "tuple of tensors")
-    return out
 
 
 def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs: Sequence[int],
@@ -142,12 +129,12 @@ def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs
     call = lookup_call(key)
     if state is None or not grad_inputs:
         with torch.no_grad(), _autocast_for(call, inputs):
-            return _detached(_invoke(call, inputs))
+            return _detached(_invoke(call, inputs)[0])
     leaves = list(inputs)
     for i in grad_inputs:
         leaves[i] = inputs[i].detach().requires_grad_(True)
     with torch.enable_grad(), _autocast_for(call, inputs):
-        outs = _invoke(call, leaves)
+        outs, _ = _invoke(call, leaves)
     state[name] = ([leaves[i] for i in grad_inputs], outs)
     return _detached(outs)
 
