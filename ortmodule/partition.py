@@ -308,6 +308,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
     bwd_outputs: list[onnx.ValueInfoProto] = []
     extra_nodes: list[onnx.NodeProto] = []
     out_names: list[str] = []
+    # The Identity nodes go last, in target order: they set onnxruntime's node order (NOTE [node order]).
     for target, gv in targets:
         name = f"grad:{target.name}"
         out_names.append(name)

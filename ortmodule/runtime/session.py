@@ -74,6 +74,20 @@ def providers_for(device: torch.device) -> list:
     return ["CPUExecutionProvider"]
 
 
+# NOTE [node order]: onnxruntime orders a graph's nodes by a depth-first walk up from its leaf
+# nodes, the last leaf first. The backward graph ends with one Identity per gradient output (in
+# ``partition.py``), last parameter last, so the walk computes each parameter's gradient as soon as
+# the chain reaches its layer. ORT's EliminateIdentity rule removes those Identity nodes; the leaves
+# are then the producers in graph order and the last one is the embedding gradient, whose walk runs
+# the whole data-gradient chain first and the weight gradients after it, keeping every layer's
+# output gradients alive at once. Measured (bench_memory.py --model bert,gpt2 --batch 64, activation
+# memory = peak RSS - RSS before the step): BERT level 0 1382 -> 1211 MB, level 1 875 -> 492 MB; GPT-2
+# level 0 1860 MB, level 1 1753 MB (unchanged); step times equal within noise. A simulation of ORT's
+# walk on BERT's backward graph agrees (live peak 146 vs 444 MB at level 0, 289 vs 657 MB at level 1);
+# PRIORITY_BASED ``execution_order`` did not help (the optimized graph's new nodes get new indices).
+DISABLED_OPTIMIZERS = ["EliminateIdentity"]
+
+
 class GraphRunner:
     """Runs one ONNX model on torch tensors: inputs bound by storage, outputs handed back by DLPack."""
 
@@ -93,7 +107,8 @@ class GraphRunner:
         self._stable = stable_inputs
         self._bound: dict[str, tuple] = {}
         self.session = ort.InferenceSession(
-            model.SerializeToString(), options or make_session_options(), providers=providers_for(device)
+            model.SerializeToString(), options or make_session_options(), providers=providers_for(device),
+            disabled_optimizers=DISABLED_OPTIMIZERS,
         )
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
