@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from ortmodule import ORTModule  # noqa: E402
 from ortmodule.runtime import entry as entry_module  # noqa: E402
 
-from .helpers import CallCounter, assert_close, module_path, train_side_by_side  # noqa: E402
+from .helpers import CallCounter, assert_close, by_frontend, module_path, train_side_by_side  # noqa: E402
 
 hf_logging.set_verbosity_error()
 
@@ -77,8 +77,12 @@ def test_bert_sequence_classification_parity():
     ffn = {module_path(n): n.input[0] for n in forward.graph.node
            if n.op_type == "MatMul" and "intermediate" in (module_path(n) or "")}
     rows = {name: shapes[x][1].dim_value for name, x in ffn.items()}
-    # symbolic (0) sequence length in layers 0-2, one row in layer 3
-    assert sorted(rows.values()) == [0, 0, 0, 1] and [v for n, v in rows.items() if "layer.3" in n] == [1], rows
+    # every position in layers 0-2 (a symbolic length, 0, or under NOTE [static first] the batch's
+    # length), one row in layer 3
+    seq = bert_batches(1)[0]["input_ids"].shape[1]
+    full = by_frontend(0, seq)
+    assert sorted(rows.values()) == sorted([1, full, full, full]), rows
+    assert [v for n, v in rows.items() if "layer.3" in n] == [1], rows
     counter = CallCounter(wrapped.module)
     wrapped(**bert_batches(1)[0]).loss.backward()
     assert counter.count == 0

@@ -1,6 +1,7 @@
 """Dynamic shapes: one export serves many batch sizes / sequence lengths where the model permits.
 
-# NOTE [dynamic shapes]: every export marks all dims of the user's tensor inputs as symbolic. The
+# NOTE [dynamic shapes]: an export marks all dims of the user's tensor inputs as symbolic (with the
+# torch.export front end, from the second shapes of a signature on: NOTE [static first]). The
 # tracer turns sizes read through ``x.shape`` into Shape ops, but a size that reaches Python (a loop
 # bound, a baked Reshape target) silently becomes a constant. So a graph is trusted for other shapes
 # only after it is seen to be the same graph: when a call comes with a shape that differs in dims not
