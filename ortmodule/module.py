@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import os
 import sys
@@ -90,6 +91,22 @@ def _unique_with_names(named: Iterator[tuple[str, torch.Tensor]]):
             names.append([])
         names[index[k]].append(name)
     return tensors, names
+
+
+@contextlib.contextmanager
+def _no_gc_pauses() -> Iterator[None]:
+    """NOTE [gc during compile]: an export allocates hundreds of thousands of objects (FX graphs, sympy
+    expressions, ONNX IR), which trigger Python's full cyclic collections; each walks every object of
+    the process (torch, transformers, ...). Measured on BERT's first call: two full collections took
+    0.44 s of 2.76 s; without them the call took 2.28 s. The collector is paused while a graph is
+    compiled and resumed after (if it was on): the cycles made meanwhile are collected later, as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class ORTModule(nn.Module):
@@ -352,7 +369,8 @@ class ORTModule(nn.Module):
             if self._options.frontend == "torchscript" and _is_fsdp(self):
                 raise ExportError("fully_shard(wrapper) needs the torch.export front end (frontend='export', the "
                                   "default): the TorchScript tracer cannot trace FSDP's gathered parameters")
-            entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
+            with _no_gc_pauses():
+                entry = self._compile(sig, flat, params, param_names, buffers, buffer_names, needs_grad)
         except (ExportError, GradientRuleError) as exc:
             if self._options.fallback is FallbackPolicy.RAISE and not isinstance(exc, CaptureError):
                 raise

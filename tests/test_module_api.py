@@ -780,6 +780,39 @@ def test_debug_options_from_env(monkeypatch, tmp_path):
         ORTModule(nn.Linear(2, 2))
 
 
+def test_compile_pauses_the_garbage_collector_and_restores_it():
+    """NOTE [gc during compile]: paused while a graph compiles, on again after, also when the export
+    fails; a collector the user turned off stays off."""
+    import gc
+
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append(gc.isenabled())
+            if x.shape[0] == 3:
+                raise RuntimeError("no export at batch 3")
+            return self.lin(x)
+
+    wrapped = ORTModule(Probe())
+    wrapped(torch.randn(2, 4)).sum().backward()
+    assert seen[0] is False and gc.isenabled()
+    with pytest.raises(RuntimeError, match="no export at batch 3"):
+        wrapped(torch.randn(3, 4))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        wrapped(torch.randn(5, 4)).sum().backward()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert wrapped(torch.randn(2, 4)).shape == (2, 4)
+
+
 def test_stats():
     wrapped = ORTModule(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU())))
     x = torch.randn(2, 4)
