@@ -146,3 +146,30 @@ def test_hf_bert_dynamic_batch_and_sequence(tmp_path):
             want = model(input_ids=ids, attention_mask=mask).logits
             got = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
             _close(got, want, 1e-4, f"BERT logits at batch {b}, sequence {s}")
+
+
+def test_deployment_export_uses_torch_export_and_keeps_the_legacy_tracer_as_an_option(tmp_path, monkeypatch):
+    """Issue 14: the deployment export runs on torch.onnx's torch.export-based exporter; the legacy
+    TorchScript tracer (deprecated by torch) only where asked for. Both graphs match eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))
+    calls = []
+    real = torch.onnx.export
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("dynamo"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", spy)
+    x = torch.randn(1, 4)  # a batch of 1 must still give a dynamic batch axis
+    new = export_inference(model, tmp_path / "new.onnx", x, dynamic_axes="auto")
+    old = export_inference(model, tmp_path / "old.onnx", x, dynamic_axes="auto", exporter="torchscript")
+    assert calls == [True, False]
+    with torch.no_grad():
+        for b in (1, 5):
+            xb = torch.randn(b, 4)
+            _close(_run(new, input=xb)[0], model(xb), what=f"torch.export graph, batch {b}")
+            _close(_run(old, input=xb)[0], model(xb), what=f"TorchScript graph, batch {b}")
+    assert onnx.load(str(new)).graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    with pytest.raises(ValueError, match="exporter must be"):
+        export_inference(model, tmp_path / "x.onnx", x, exporter="jit")

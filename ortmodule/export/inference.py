@@ -132,6 +132,7 @@ def export_inference(
     optimized_path: str | os.PathLike | None = None,
     opset: int = 20,
     optimization_level: str = "extended",
+    exporter: str = "torch.export",
 ) -> Path:
     """Write ``module``'s eval-mode forward on ``args``/``kwargs`` to ``path`` as ONNX.
 
@@ -147,6 +148,8 @@ def export_inference(
     ``optimized_path``: also save the graph ONNX Runtime produces after its graph optimizations at
     ``optimization_level`` (``"basic"``, ``"extended"`` or ``"all"``; ``"all"`` adds layout
     transformations specific to this machine's CPU, so ``"extended"`` is the portable default).
+    ``exporter``: ``"torch.export"`` (``torch.onnx.export(dynamo=True)``, the default) or
+    ``"torchscript"`` (the legacy tracer, which torch deprecates).
     Returns ``path``.
     """
     inner = _unwrap(module)
@@ -170,31 +173,74 @@ def export_inference(
                 )
         else:
             raise ValueError(f"dynamic_axes must be None, 'auto' or a dict, not {dynamic_axes!r}")
-        buf = io.BytesIO()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            warnings.filterwarnings("ignore", category=DeprecationWarning)
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            torch.onnx.export(
-                wrapper,
-                tuple(tensors),
-                buf,
-                dynamo=False,
-                input_names=names,
-                output_names=output_names,
-                dynamic_axes=axes or None,
-                opset_version=opset,
-                training=torch.onnx.TrainingMode.EVAL,
-                do_constant_folding=True,
-                export_params=True,
-                keep_initializers_as_inputs=False,
-            )
+        if exporter == "torch.export":
+            data = _export_dynamo(wrapper, tensors, names, output_names, axes, opset)
+        elif exporter == "torchscript":
+            data = _export_torchscript(wrapper, tensors, names, output_names, axes, opset)
+        else:
+            raise ValueError(f"exporter must be 'torch.export' or 'torchscript', not {exporter!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(buf.getvalue())
+    path.write_bytes(data)
     if optimized_path is not None:
         _save_optimized(path, Path(optimized_path), optimization_level)
     return path
+
+
+def _export_dynamo(wrapper: nn.Module, tensors: list, names: list[str], output_names: list[str],
+                   axes: dict, opset: int) -> bytes:
+    """torch.onnx's torch.export-based exporter: the eval-mode program, weights as initializers."""
+    dynamic_shapes = None
+    if axes:
+        dim = torch.export.Dim.AUTO
+        # one entry: the wrapper's ``*tensors``
+        dynamic_shapes = (tuple({d: dim for d in axes.get(name, {})} or None for name in names),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(wrapper, tuple(tensors), dynamo=True, dynamic_shapes=dynamic_shapes,
+                                    input_names=names, output_names=output_names, opset_version=opset,
+                                    optimize=True, verbose=False, report=False)
+    model = program.model_proto
+    # NOTE [inference axis names]: torch.export names dims s0, s1, ...; the graph keeps the caller's
+    # labels ("batch", "sequence", or the dict's) where an input or output dim is one of them.
+    labels = {}
+    for value in model.graph.input:
+        for d, dim_proto in enumerate(value.type.tensor_type.shape.dim):
+            label = axes.get(value.name, {}).get(d)
+            if label is not None and dim_proto.dim_param:
+                labels.setdefault(dim_proto.dim_param, label)
+    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for d, dim_proto in enumerate(value.type.tensor_type.shape.dim):
+            label = axes.get(value.name, {}).get(d) if value.name in output_names else None
+            if dim_proto.dim_param in labels:
+                dim_proto.dim_param = labels[dim_proto.dim_param]
+            elif label is not None and dim_proto.dim_param:
+                dim_proto.dim_param = label
+    return model.SerializeToString()
+
+
+def _export_torchscript(wrapper: nn.Module, tensors: list, names: list[str], output_names: list[str],
+                        axes: dict, opset: int) -> bytes:
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        torch.onnx.export(
+            wrapper,
+            tuple(tensors),
+            buf,
+            dynamo=False,
+            input_names=names,
+            output_names=output_names,
+            dynamic_axes=axes or None,
+            opset_version=opset,
+            training=torch.onnx.TrainingMode.EVAL,
+            do_constant_folding=True,
+            export_params=True,
+            keep_initializers_as_inputs=False,
+        )
+    return buf.getvalue()
 
 
 def _save_optimized(src: Path, dst: Path, level: str) -> None:
