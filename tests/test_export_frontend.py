@@ -367,3 +367,31 @@ def test_a_running_stat_written_twice_falls_back_and_matches_eager():
         yo = ort(x)
     assert_close(yo, eager(x), 1e-6, "output")
     assert torch.equal(ort.module.bn.running_mean, eager.bn.running_mean)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_is_one_onnx_gelu_and_trains_like_eager(approximate):
+    """NOTE [one Gelu]: aten.gelu becomes ONNX Gelu (not torchlib's Erf/Tanh arithmetic, whose
+    intermediates the backward would save); outputs and gradients match eager over AdamW steps."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 64), nn.GELU(approximate=approximate), nn.Linear(64, 4))
+    ort = _export(copy.deepcopy(eager), fallback="raise")
+    opt_e, opt_o = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, ort))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(512, 16, generator=g) * 3  # both tails of the curve
+        outs = []
+        for m, opt in ((eager, opt_e), (ort, opt_o)):
+            opt.zero_grad()
+            out = m(x)
+            out.square().mean().backward()
+            outs.append(out)
+        assert_close(outs[1], outs[0], 1e-5, f"output at step {step}")
+        _grads_match(ort, eager, 1e-4)
+        opt_e.step()
+        opt_o.step()
+    (entry,) = [e for e in ort._built._data.values() if e.graphs is not None]
+    ops = [n.op_type for n in entry.graphs.forward.graph.node]
+    gelus = [n for n in entry.graphs.forward.graph.node if n.op_type == "Gelu"]
+    assert len(gelus) == 1 and "Erf" not in ops and "Tanh" not in ops, ops
+    assert [a.s.decode() for a in gelus[0].attribute if a.name == "approximate"] in ([approximate], [])

@@ -333,6 +333,21 @@ def test_outputs_without_gradient_like_eager(use):
         assert entry.backward_without(absent) is not None
 
 
+def test_full_backward_released_when_unused_and_rebuilt_when_needed():
+    """NOTE [unused full backward]: a loss-only backward releases the full backward's session; a later
+    step through every output makes it again (and keeps it). Every step's gradients match eager."""
+    eager, wrapped = both(seeded(Heads))
+    x, y = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    for use, released in [((0,), True), ((0, 1, 2), False), ((0,), False), ((0, 1, 2), False)]:
+        for m in (eager, wrapped):
+            m.zero_grad(set_to_none=True)
+            outs = m(x, y)
+            sum(outs[i].sum() * (i + 1) for i in use).backward()
+        check_grads(eager, wrapped)
+        (entry,) = [e for e in wrapped._built._data.values() if e.graphs is not None]
+        assert (entry._backward is None) == released, use
+
+
 class SoftmaxHead(nn.Module):
     def __init__(self):
         super().__init__()

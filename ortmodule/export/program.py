@@ -135,6 +135,12 @@ def _custom_translations() -> dict:
             rstd = op.Reciprocal(op.Sqrt(op.Add(var, eps_t)))
             return y, op.ReduceMean(input, axes, keepdims=0), rstd
 
+        def gelu(self, approximate: str = "none"):
+            # NOTE [one Gelu]: torchlib writes GELU as its Erf (or Tanh) arithmetic, five elementwise
+            # ops whose intermediates the backward saves; ONNX's Gelu (opset 20) is one ORT kernel, and
+            # its gradient rule reads only the input, as eager's GELU backward does.
+            return op.Gelu(self, approximate=approximate)
+
         def hypot(self, other):
             return op.Sqrt(op.Add(op.Mul(self, self), op.Mul(other, other)))
 
@@ -163,6 +169,7 @@ def _custom_translations() -> dict:
         _registry = {
             torch.ops.ortmodule.torch_call.default: torch_call_translation,
             aten.hypot.default: hypot,
+            aten.gelu.default: gelu,
             aten.cumprod.default: cumprod,
             aten._native_batch_norm_legit.no_stats: batch_norm_no_stats,
             aten.to.dtype_layout: to,

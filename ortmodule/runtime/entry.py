@@ -130,6 +130,11 @@ class CompiledEntry:
                 target_of = dict(zip(graphs.backward_outputs, graphs.grad_targets))
                 runner = self._runner(_for_session(special.model))
                 self._partial_backward[absent] = (runner, [target_of[o] for o in special.outputs])
+                # NOTE [unused full backward]: the full backward's session was made when the entry was
+                # built, to fail there if ORT cannot load it; a model whose extra outputs get no
+                # gradient (an HF model's logits beside its loss) never runs it. Its session is
+                # released here and made again on first use (BERT: 34 MB of peak RSS).
+                self._backward = None
         return self._partial_backward[absent]
 
     def unreached_targets(self, absent: frozenset[int]) -> frozenset[str]:
