@@ -222,3 +222,48 @@ def test_causal_lms_trained_with_labels_only_verify_against_eager(arch):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
     assert model.stats.fallbacks == 0 and model.stats.verifications == 2 and model.stats.exports == 2
+
+
+class CTCHead(nn.Module):
+    """A speech-style head: per-frame log-probabilities into CTC (the issue's `ctc_loss`)."""
+
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.enc, self.out = nn.Linear(8, 32), nn.Linear(32, 6)
+        self.reduction = reduction
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        log_probs = self.out(torch.tanh(self.enc(x))).log_softmax(-1).transpose(0, 1)  # T, B, C
+        loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0,
+                          reduction=self.reduction, zero_infinity=True)
+        return loss if self.reduction != "none" else (loss * torch.arange(1, loss.numel() + 1)).sum()
+
+
+@pytest.mark.parametrize("reduction,list_lengths", [("mean", False), ("none", False), ("sum", True)])
+def test_ctc_loss_runs_as_a_torch_node_at_parity(reduction, list_lengths):
+    """NOTE [ctc as a torch node]: the rest of the model stays in ORT; lengths vary per call."""
+    torch.manual_seed(0)
+    eager = CTCHead(reduction)
+    wrapped = ORTModule(copy.deepcopy(eager), frontend="export", fallback="raise")
+    opt_e, opt_o = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, wrapped))
+    g = torch.Generator().manual_seed(1)
+    for step, (b, t) in enumerate([(6, 40), (6, 40), (5, 40)]):
+        x = torch.randn(b, t, 8, generator=g)
+        target_lengths = torch.randint(3, 9, (b,), generator=g)
+        input_lengths = torch.randint(t - 8, t + 1, (b,), generator=g)
+        targets = torch.randint(1, 6, (b, 8), generator=g)
+        if list_lengths:  # Python lists: constants of the call
+            input_lengths, target_lengths = input_lengths.tolist(), target_lengths.tolist()
+        losses = []
+        for m, opt in ((eager, opt_e), (wrapped, opt_o)):
+            opt.zero_grad()
+            loss = m(x, targets, input_lengths, target_lengths)
+            loss.backward()
+            losses.append(loss)
+        assert_close(losses[1], losses[0], 1e-5, f"loss at step {step}")
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-4, f"{name}.grad at step {step}")
+        opt_e.step()
+        opt_o.step()
+    s = wrapped.stats
+    assert s.fallbacks == 0 and s.torch_nodes >= 1, s

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import ExportError
+from ..errors import ExportError, user_location
 from ..recompute import MASK_SCALE_KEY
+from ..runtime.torch_nodes import inside_call
 from .traps import NOT_REWRITTEN, TraceWatch, rewrite, thread_value
 
 
@@ -320,6 +321,10 @@ class _Base(TorchFunctionMode):
                 return out
         if func is _F_DROPOUT:
             return self.dropout_call(args, kwargs)
+        if func is F.ctc_loss and self.watch is not None and self.watch.torch_nodes and not inside_call():
+            from .torch_calls import ctc_loss_call  # NOTE [ctc as a torch node]
+
+            return ctc_loss_call(args, kwargs, user_location())
         if func is _F_SDPA:
             out = self.sdpa_call(args, kwargs)
             if out is not NOT_REWRITTEN:

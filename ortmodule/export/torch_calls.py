@@ -5,12 +5,15 @@ called in forward, and ATen ops whose ONNX translation has no gradient rule, bec
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from collections.abc import Sequence
 
 import onnx
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from ..runtime.torch_nodes import (
@@ -51,6 +54,33 @@ def function_call(original, cls, args: tuple, kwargs: dict, where: str):
     outs = torch.ops.ortmodule.torch_call([flat[i] for i in positions], key)
     call = lookup_call(key)
     return (outs[0] if call.single else tuple(outs)), None
+
+
+def ctc_loss_call(args: tuple, kwargs: dict, where: str):
+    """NOTE [ctc as a torch node]: ``F.ctc_loss`` as one ``torch_call`` node. Its lengths decide the
+    work (torch.export refuses its ATen op as data-dependent, and ONNX has no CTC), so it runs in torch
+    with torch's own backward; the capture sees only its output's shape (a scalar, or one loss per
+    sequence with ``reduction="none"``)."""
+    define_torch_call_op()
+    bound = inspect.signature(F.ctc_loss).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    names = ("log_probs", "targets", "input_lengths", "target_lengths")
+    slots = [n for n in names if isinstance(a[n], torch.Tensor)]
+    consts = {n: a[n] for n in names if n not in slots}
+    options = {"blank": a["blank"], "reduction": a["reduction"], "zero_infinity": a["zero_infinity"]}
+
+    def fn(*tensors):
+        kw = {**consts, **dict(zip(slots, tensors))}
+        log_probs = kw["log_probs"]
+        if is_fake(log_probs):  # the capture: only the output's shape and dtype
+            per_sequence = options["reduction"] == "none" and log_probs.dim() == 3
+            return log_probs.new_empty((log_probs.shape[1],) if per_sequence else ())
+        return F.ctc_loss(log_probs, kw["targets"], kw["input_lengths"], kw["target_lengths"], **options)
+
+    key = register_call(TorchCall(fn, "F.ctc_loss", "its lengths decide the computation (data-dependent for "
+                                  "torch.export; ONNX has no CTC): it runs in torch", where))
+    return torch.ops.ortmodule.torch_call([a[n] for n in slots], key)[0]
 
 
 _FX_NAME = re.compile(r"^%(\S+) :")
