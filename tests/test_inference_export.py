@@ -173,3 +173,35 @@ def test_deployment_export_uses_torch_export_and_keeps_the_legacy_tracer_as_an_o
     assert onnx.load(str(new)).graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
     with pytest.raises(ValueError, match="exporter must be"):
         export_inference(model, tmp_path / "x.onnx", x, exporter="jit")
+
+
+class _ScaleByBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x) * float(x.shape[0])  # a size read into Python
+
+
+class _BranchOnBatch(_ScaleByBatch):
+    def forward(self, x):
+        return self.lin(x) * (2.0 if x.shape[0] == 3 else 1.0)
+
+
+def test_deployment_export_keeps_sizes_symbolic_or_refuses(tmp_path):
+    """A size read into Python stays an expression of the dynamic batch (the legacy tracer baked it);
+    a branch on a dynamic size is an error naming the way out, never a graph for one batch size."""
+    torch.manual_seed(0)
+    model = _ScaleByBatch()
+    path = export_inference(model, tmp_path / "scale.onnx", torch.randn(3, 4), dynamic_axes="auto")
+    with torch.no_grad():
+        for b in (3, 5):
+            x = torch.randn(b, 4)
+            _close(_run(path, x=x)[0], model(x), what=f"batch {b}")
+    from ortmodule.errors import ExportError
+
+    with pytest.raises(ExportError, match="dynamic_axes=None"):
+        export_inference(_BranchOnBatch(), tmp_path / "branch.onnx", torch.randn(3, 4), dynamic_axes="auto")
+    static = export_inference(_BranchOnBatch(), tmp_path / "static.onnx", torch.randn(3, 4))
+    assert [d.dim_value for d in onnx.load(str(static)).graph.input[0].type.tensor_type.shape.dim] == [3, 4]

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ExportError
+
 __all__ = ["export_inference"]
 
 AUTO = "auto"
@@ -192,14 +194,24 @@ def _export_dynamo(wrapper: nn.Module, tensors: list, names: list[str], output_n
     """torch.onnx's torch.export-based exporter: the eval-mode program, weights as initializers."""
     dynamic_shapes = None
     if axes:
-        dim = torch.export.Dim.AUTO
+        dim = torch.export.Dim.DYNAMIC
         # one entry: the wrapper's ``*tensors``
         dynamic_shapes = (tuple({d: dim for d in axes.get(name, {})} or None for name in names),)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(wrapper, tuple(tensors), dynamo=True, dynamic_shapes=dynamic_shapes,
-                                    input_names=names, output_names=output_names, opset_version=opset,
-                                    optimize=True, verbose=False, report=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(wrapper, tuple(tensors), dynamo=True, dynamic_shapes=dynamic_shapes,
+                                        input_names=names, output_names=output_names, opset_version=opset,
+                                        optimize=True, verbose=False, report=False)
+    except Exception as exc:
+        # e.g. Python that branches on a size marked dynamic: an error, never a graph that bakes it
+        cause = exc.__cause__ or exc
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ExportError(
+            f"exporting {type(wrapper.inner).__name__} for deployment with torch.export failed: "
+            f"{type(cause).__name__}: {detail}. If the model specialises on a size marked dynamic, pass "
+            "dynamic_axes=None (static shapes) or a dict without that axis"
+        ) from exc
     model = program.model_proto
     # NOTE [inference axis names]: torch.export names dims s0, s1, ...; the graph keeps the caller's
     # labels ("batch", "sequence", or the dict's) where an input or output dim is one of them.
