@@ -14,7 +14,7 @@ from torch import nn
 
 from ortmodule import ORTModule
 
-from .helpers import assert_close
+from .helpers import TORCH_EXPORT, assert_close, train_side_by_side
 
 
 class Op(nn.Module):
@@ -239,31 +239,22 @@ class CTCHead(nn.Module):
         return loss if self.reduction != "none" else (loss * torch.arange(1, loss.numel() + 1)).sum()
 
 
+@pytest.mark.skipif(not TORCH_EXPORT, reason="torch nodes are captured by the torch.export front end")
 @pytest.mark.parametrize("reduction,list_lengths", [("mean", False), ("none", False), ("sum", True)])
 def test_ctc_loss_runs_as_a_torch_node_at_parity(reduction, list_lengths):
     """NOTE [ctc as a torch node]: the rest of the model stays in ORT; lengths vary per call."""
     torch.manual_seed(0)
-    eager = CTCHead(reduction)
-    wrapped = ORTModule(copy.deepcopy(eager), frontend="export", fallback="raise")
-    opt_e, opt_o = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, wrapped))
     g = torch.Generator().manual_seed(1)
-    for step, (b, t) in enumerate([(6, 40), (6, 40), (5, 40)]):
+    batches = []
+    for b, t in [(6, 40), (6, 40), (5, 40)]:
         x = torch.randn(b, t, 8, generator=g)
         target_lengths = torch.randint(3, 9, (b,), generator=g)
         input_lengths = torch.randint(t - 8, t + 1, (b,), generator=g)
         targets = torch.randint(1, 6, (b, 8), generator=g)
         if list_lengths:  # Python lists: constants of the call
             input_lengths, target_lengths = input_lengths.tolist(), target_lengths.tolist()
-        losses = []
-        for m, opt in ((eager, opt_e), (wrapped, opt_o)):
-            opt.zero_grad()
-            loss = m(x, targets, input_lengths, target_lengths)
-            loss.backward()
-            losses.append(loss)
-        assert_close(losses[1], losses[0], 1e-5, f"loss at step {step}")
-        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
-            assert_close(po.grad, pe.grad, 1e-4, f"{name}.grad at step {step}")
-        opt_e.step()
-        opt_o.step()
+        batches.append((x, targets, input_lengths, target_lengths))
+    wrapped = train_side_by_side(CTCHead(reduction), batches, lambda out, b: out, rtol=1e-5,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     s = wrapped.stats
     assert s.fallbacks == 0 and s.torch_nodes >= 1, s
