@@ -8,6 +8,8 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 from torch.utils.dlpack import from_dlpack
 
+from .threads import release_omp_workers
+
 _CPU_DEVICE = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
@@ -88,6 +90,16 @@ def providers_for(device: torch.device) -> list:
 DISABLED_OPTIMIZERS = ["EliminateIdentity"]
 
 
+def _spins(options: ort.SessionOptions | None) -> bool:
+    """Whether a session made with ``options`` spins its intra-op workers (ORT's default: yes)."""
+    if options is None:
+        return True
+    try:
+        return options.get_session_config_entry("session.intra_op.allow_spinning") != "0"
+    except Exception:  # not set: ORT's default
+        return True
+
+
 class GraphRunner:
     """Runs one ONNX model on torch tensors: inputs bound by storage, outputs handed back by DLPack."""
 
@@ -114,6 +126,9 @@ class GraphRunner:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._sess = self.session._sess
         self._run_options = C.RunOptions()
+        # NOTE [omp pause] (runtime/threads.py): a spinning CPU session runs with torch's OpenMP workers
+        # released, not spinning beside its own
+        self._release_omp = device.type == "cpu" and _spins(options)
         if device.type == "cuda":
             self._out_device = C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
         else:
@@ -139,6 +154,8 @@ class GraphRunner:
             binding.bind_ortvalue_input(name, C.OrtValue.from_dlpack(t.detach().__dlpack__()))
         for name in self.output_names:
             binding.bind_output(name, self._out_device)
+        if self._release_omp:
+            release_omp_workers()
         self._sess.run_with_iobinding(binding, self._run_options)
         # NOTE [output conversion]: OrtValueVector.to_dlpacks converts every output in one call
         # (~0.5 us each); iterating the vector in Python copies each OrtValue wrapper (~8 us each,
