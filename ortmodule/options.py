@@ -31,6 +31,11 @@ Environment variables (read when an ORTModule is created; constructor arguments 
                            process (a restart, the other ranks) skips the export; see NOTE
                            [persistent cache] in ``ortmodule/runtime/disk_cache.py``. Unset
                            (default): nothing is written.
+``ORTMODULE_OMP_PAUSE``    ``1`` (default): before each ORT run on CPU, torch's idle OpenMP
+                           workers are released instead of left spinning beside ORT's
+                           (NOTE [omp pause] in ``ortmodule/runtime/threads.py``); ``0``: off.
+``ORTMODULE_ATEN_KERNELS`` which gradient rules use torch's fused kernels (``1`` all, ``0`` none,
+                           or a list such as ``Conv,MaxPool``): ``autodiff/rules/aten.py``.
 ========================== =================================================================
 """
 
