@@ -274,3 +274,30 @@ def test_backward_keeps_its_gradient_identities_through_ort_optimization(tmp_pat
     by_identity = {n.output[0] for n in optimized.graph.node if n.op_type == "Identity"}
     outputs = [o.name for o in optimized.graph.output]
     assert len(outputs) > 20 and set(outputs) <= by_identity
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_shape_nodes_moved_into_the_forward_run_right_after_their_input(level):
+    """NOTE [shapes early]: a Shape the backward needs is computed in the forward (NOTE [cheap to
+    move]); listed at the end of the forward, onnxruntime ran it there and kept the measured
+    activation alive through every later layer. Each now follows its input's producer, with only
+    other shape nodes between them, and the forward stays topologically sorted."""
+    from ortmodule.partition import _SHAPE_ARITH, _SHAPE_OPS
+
+    model = ORTModule(bert(dropout=0.1), memory_opt_level=level)
+    model(**bert_batches(n=1, b=2, seq=16)[0]).loss.backward()
+    (entry,) = [e for e in model._built._data.values() if e.graphs is not None]
+    forward = entry.graphs.forward
+    nodes = list(forward.graph.node)
+    defined = {i.name for i in forward.graph.input} | {t.name for t in forward.graph.initializer} | {""}
+    position = {}
+    for i, node in enumerate(nodes):
+        assert all(x in defined for x in node.input), f"{node.name} reads a value defined after it"
+        defined.update(node.output)
+        position.update({o: i for o in node.output})
+    moved = [(i, n) for i, n in enumerate(nodes) if n.op_type == "Shape" and "_Grad/" in n.name]
+    assert moved, "no backward Shape node was moved into the forward: the test needs a new model"
+    for i, node in moved:
+        start = position.get(node.input[0], -1)
+        between = {n.op_type for n in nodes[start + 1:i]}
+        assert between <= _SHAPE_OPS | _SHAPE_ARITH, (node.name, sorted(between))
