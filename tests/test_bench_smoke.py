@@ -106,3 +106,20 @@ def test_bench_memory_prints_a_row_per_level_with_equal_losses():
     rows = {line.split("|")[2].strip(): line.split("|") for line in proc.stdout.splitlines() if "| gpt2 |" in line}
     assert set(rows) == {"level0", "level1"}, proc.stdout
     assert rows["level0"][8] == rows["level1"][8], "level 1 must train like level 0 (losses)"
+
+
+ZOO = ROOT / "benchmarks" / "bench_zoo.py"
+
+
+@pytest.mark.skipif(not ZOO.exists(), reason="benchmarks/ not present")
+def test_bench_zoo_quick(tmp_path):
+    out = tmp_path / "zoo.json"
+    cmd = [sys.executable, str(ZOO), "--quick", "bert-cls", "llama-lm", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| bert-cls |" in proc.stdout and "| llama-lm |" in proc.stdout and "geo-mean" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert [r["model"] for r in rows] == ["bert-cls", "llama-lm"]
+    for r in rows:
+        assert r["fallbacks"] == 0, r["fallback_reason"]
+        assert r["eager_fwd_bwd_median_ms"] > 0 and r["ortmodule_full_median_ms"] > 0
