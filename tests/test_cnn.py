@@ -256,3 +256,35 @@ def test_aten_kernels_at_benchmark_size_match_eager_and_repeat_bit_identically()
         assert torch.equal(a, b), "gradients differ between two runs on the same batch"
     ops = {n.op_type for n in next(iter(wrapped._built._data.values())).backward_model.graph.node}
     assert "ATen" in ops, ops
+
+
+class _ConvNeXtBlock(nn.Module):
+    """A ConvNeXt block as transformers writes it: depthwise 7x7, channels-last LayerNorm and MLP, a
+    residual; the depthwise conv's gradient takes NOTE [grouped conv backward]."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.up, self.down = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        h = self.dw(x).permute(0, 2, 3, 1)
+        h = self.down(F.gelu(self.up(self.norm(h))))
+        return x + h.permute(0, 3, 1, 2)
+
+
+def test_depthwise_and_grouped_convs_train_like_eager_on_the_channels_last_kernel():
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 4, stride=4), _ConvNeXtBlock(32), nn.Conv2d(32, 64, 2, stride=2, groups=2),
+                          _ConvNeXtBlock(64), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    wrapped = train_side_by_side(model, batches, lambda out, b: F.cross_entropy(out, b[1]), rtol=1e-4, atol=1e-5,
+                                 kwargs_fn=lambda b: {"input": b[0]})
+    assert wrapped.stats.fallbacks == 0
+    backward = next(e for e in wrapped._built._data.values() if e.graphs is not None).backward_model
+    kernels = [a.s.decode() for n in backward.graph.node if n.op_type == "ATen" for a in n.attribute if a.name == "op"]
+    assert kernels.count("ortmodule::conv2d_backward_channels_last") == 3, kernels  # 2 depthwise + 1 grouped
+    assert kernels.count("aten::convolution_backward.default") == 1, kernels  # the dense stem

@@ -246,8 +246,22 @@ def _max_pool2d_backward(dy, x, kernel, stride, padding, dilation, ceil_mode):
                                                           padding, dilation, ceil_mode, indices.contiguous())
 
 
+def _conv2d_backward_channels_last(dy, x, w, *args):
+    """``aten::convolution_backward`` (same arguments) on channels-last copies of its tensors, the
+    gradients returned contiguous. NOTE [grouped conv backward]: oneDNN's grouped and depthwise
+    backward is much faster on channels-last tensors. A/B (2 threads, medians, a depthwise 7x7 with
+    bias, batch 8, ConvNeXt's four stages): [32, 16x16] 1.65 -> 0.82 ms, [64, 8x8] 1.53 -> 0.51,
+    [128, 4x4] 1.01 -> 0.37, [256, 2x2] 0.81 -> 0.35 (the copies in and out included); a dense 3x3
+    conv was level (2.87 vs 2.73 ms before copies), so the rule uses it for ``group > 1`` only."""
+    last = torch.channels_last
+    outs = torch.ops.aten.convolution_backward(dy.contiguous(memory_format=last), x.contiguous(memory_format=last),
+                                               w.contiguous(memory_format=last), *args)
+    return tuple(o.contiguous() if o is not None else None for o in outs)
+
+
 # Kernels of our own, by name (portable as the ATen ones): compositions of ATen calls.
-OWN_KERNELS = {"ortmodule::max_pool2d_backward": _max_pool2d_backward}
+OWN_KERNELS = {"ortmodule::max_pool2d_backward": _max_pool2d_backward,
+               "ortmodule::conv2d_backward_channels_last": _conv2d_backward_channels_last}
 
 
 def resolve_aten(name: str):

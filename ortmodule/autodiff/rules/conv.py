@@ -247,7 +247,11 @@ def _conv_grad_aten(g: GradBuilder, node: ir.Node, dys) -> list | None:
     if picks:
         args = [Arg(0), Arg(1), Arg(2), None, strides, pads[:rank], dilations, False, [0] * rank, group,
                 [need_x, need_w, False]]
-        outs = g.aten("aten::convolution_backward.default", [dys[0], x, w], args, picks)
+        # NOTE [grouped conv backward]: torch's grouped (depthwise) convolution backward is 2-3x
+        # faster on channels-last tensors, the copies included; a dense one is level (see the kernel)
+        kernel = "ortmodule::conv2d_backward_channels_last" if group > 1 and rank == 2 else \
+            "aten::convolution_backward.default"
+        outs = g.aten(kernel, [dys[0], x, w], args, picks)
         for i, out in zip(picks, outs):
             grads[i] = out
     if b is not None and b in g.active:
