@@ -14,7 +14,7 @@ import os
 # fwd+loss+bwd median 325 -> 355 / 351 ms, benchmarks/ab_kernels.py --model bert: the kernels take
 # 4-5 ms, the split backward loses more than they save).
 KERNELS = {
-    "Conv": "aten::convolution_backward (oneDNN)",
+    "Conv": "aten::convolution_backward (oneDNN; grouped/depthwise 2-d on channels-last copies)",
     "MaxPool": "ortmodule::max_pool2d_backward (torch's channels-last pooling)",
     "BatchNormalization": "aten::native_batch_norm_backward (batch-statistics BN)",
 }
