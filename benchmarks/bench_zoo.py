@@ -21,6 +21,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_zoo.py: the models
 
 MODELS = ("bert-cls", "roberta-mlm", "distilbert-qa", "gpt2-lm", "llama-lm", "mistral-lm", "qwen2-lm",
           "gptneox-lm", "phi-lm", "t5", "vit-cls", "convnext-cls")
@@ -29,51 +32,28 @@ MODELS = ("bert-cls", "roberta-mlm", "distilbert-qa", "gpt2-lm", "llama-lm", "mi
 def build(name: str, quick: bool):
     """(model, batch) for ``name``: working sizes, or tiny ones with ``quick``."""
     import torch
-    import transformers as T
+    from hf_zoo import factories  # beside this script; imports transformers and ortmodule, after torch
 
-    T.logging.set_verbosity_error()
     h, layers, heads, ffn, seq, batch, vocab = (32, 1, 2, 64, 16, 2, 96) if quick else (256, 4, 4, 1024, 128, 8,
                                                                                          8192)
-    enc = dict(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=ffn)
-    dec = dict(vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
-               num_attention_heads=heads, use_cache=False, max_position_embeddings=max(seq, 128))
-    gqa = dict(dec, num_key_value_heads=max(1, heads // 2))
     image = 32 if quick else 64
-    factories = {
-        "bert-cls": lambda: T.BertForSequenceClassification(T.BertConfig(vocab_size=vocab, num_labels=3, **enc)),
-        "roberta-mlm": lambda: T.RobertaForMaskedLM(T.RobertaConfig(
-            vocab_size=vocab, max_position_embeddings=seq + 2, pad_token_id=1, **enc)),
-        "distilbert-qa": lambda: T.DistilBertForQuestionAnswering(T.DistilBertConfig(
-            vocab_size=vocab, dim=h, n_layers=layers, n_heads=heads, hidden_dim=ffn)),
-        "gpt2-lm": lambda: T.GPT2LMHeadModel(T.GPT2Config(
-            vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=seq, use_cache=False)),
-        "llama-lm": lambda: T.LlamaForCausalLM(T.LlamaConfig(**gqa)),
-        "mistral-lm": lambda: T.MistralForCausalLM(T.MistralConfig(sliding_window=seq // 2, **gqa)),
-        "qwen2-lm": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**gqa)),
-        "gptneox-lm": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**dec)),
-        "phi-lm": lambda: T.PhiForCausalLM(T.PhiConfig(**dec)),
-        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(
-            vocab_size=vocab, d_model=h, d_ff=ffn, num_layers=layers, num_heads=heads, d_kv=h // heads,
-            use_cache=False, decoder_start_token_id=0, pad_token_id=0)),
-        "vit-cls": lambda: T.ViTForImageClassification(T.ViTConfig(
-            image_size=image, patch_size=8, num_labels=3, **enc)),
-        "convnext-cls": lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
-            hidden_sizes=[8, 16] if quick else [32, 64, 128, 256], depths=[1, 1] if quick else [2, 2, 2, 2],
-            num_stages=2 if quick else 4, num_labels=3, image_size=image)),
-    }
+    convnext = ((8, 16), (1, 1)) if quick else ((32, 64, 128, 256), (2, 2, 2, 2))
+    make, kind = factories(h, layers, heads, dec_heads=heads, ffn=ffn, vocab=vocab, positions=max(seq, 128),
+                           roberta_positions=seq + 2, gpt2_positions=seq, sliding_window=seq // 2, image=image,
+                           convnext=convnext)[name]
     torch.manual_seed(0)
-    model = factories[name]().train()
+    model = make().train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (batch, seq), generator=g)
     labels3 = torch.randint(0, 3, (batch,), generator=g)
-    if name == "bert-cls":
+    if kind == "cls":
         data = dict(input_ids=ids, labels=labels3)
-    elif name == "distilbert-qa":
+    elif kind == "qa":
         data = dict(input_ids=ids, start_positions=torch.randint(0, seq, (batch,), generator=g),
                     end_positions=torch.randint(0, seq, (batch,), generator=g))
-    elif name == "t5":
+    elif kind == "s2s":
         data = dict(input_ids=ids, labels=ids[:, : seq // 2].contiguous())
-    elif name in ("vit-cls", "convnext-cls"):
+    elif kind == "img":
         data = dict(pixel_values=torch.randn(batch, 3, image, image, generator=g), labels=labels3)
     else:  # the LMs, as users call them for training: labels, no attention_mask
         data = dict(input_ids=ids, labels=ids)

@@ -23,36 +23,54 @@ transformers.logging.set_verbosity_error()
 V = 96
 T = transformers
 
-ENC = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-DEC = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-           use_cache=False)
-GQA = dict(DEC, num_key_value_heads=2)
 
-# name -> (model factory, batch kind)
-models = {
-    "bert-cls": (lambda: T.BertForSequenceClassification(T.BertConfig(vocab_size=V, num_labels=3, **ENC)), "cls"),
-    "roberta-mlm": (lambda: T.RobertaForMaskedLM(T.RobertaConfig(vocab_size=V, max_position_embeddings=40,
-                                                                 pad_token_id=1, **ENC)), "lm"),
-    "distilbert-qa": (lambda: T.DistilBertForQuestionAnswering(
-        T.DistilBertConfig(vocab_size=V, dim=32, n_layers=2, n_heads=2, hidden_dim=64)), "qa"),
-    "gpt2-lm": (lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                                       use_cache=False)), "lm"),
-    "llama-lm": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**GQA)), "lm"),
-    "mistral-lm": (lambda: T.MistralForCausalLM(T.MistralConfig(sliding_window=8, **GQA)), "lm"),
-    "qwen2-lm": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**GQA)), "lm"),
-    "gptneox-lm": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**DEC)), "lm"),
-    "phi-lm": (lambda: T.PhiForCausalLM(T.PhiConfig(**DEC)), "lm"),
-    "t5": (lambda: T.T5ForConditionalGeneration(T.T5Config(
-        vocab_size=V, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, use_cache=False,
-        decoder_start_token_id=0, pad_token_id=0)), "s2s"),
-    "vit-cls": (lambda: T.ViTForImageClassification(T.ViTConfig(image_size=32, patch_size=8, num_labels=3, **ENC)),
-                "img"),
-    "convnext-cls": (lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
-        hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, image_size=32)), "img"),
-}
+def factories(h=32, layers=2, heads=2, dec_heads=4, ffn=64, vocab=V, *, positions=None, roberta_positions=40,
+              gpt2_positions=64, sliding_window=8, image=32, convnext=((8, 16), (1, 1))) -> dict:
+    """name -> (model factory, batch kind), the models built from configs at these sizes (``bench_zoo.py``
+    builds them at working sizes); the defaults are this script's toy sizes.
+
+    ``heads``: the encoders', GPT-2's and T5's; ``dec_heads``: the other decoders' (the GQA ones get half as
+    many key/value heads); ``positions``: the other decoders' max_position_embeddings (None: the config's);
+    ``convnext``: its (hidden_sizes, depths), one entry per stage.
+    """
+    enc = dict(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=ffn)
+    dec = dict(vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
+               num_attention_heads=dec_heads, use_cache=False)
+    if positions is not None:
+        dec["max_position_embeddings"] = positions
+    gqa = dict(dec, num_key_value_heads=max(1, dec_heads // 2))
+    hidden_sizes, depths = convnext
+    return {
+        "bert-cls": (lambda: T.BertForSequenceClassification(T.BertConfig(vocab_size=vocab, num_labels=3, **enc)),
+                     "cls"),
+        "roberta-mlm": (lambda: T.RobertaForMaskedLM(T.RobertaConfig(
+            vocab_size=vocab, max_position_embeddings=roberta_positions, pad_token_id=1, **enc)), "lm"),
+        "distilbert-qa": (lambda: T.DistilBertForQuestionAnswering(T.DistilBertConfig(
+            vocab_size=vocab, dim=h, n_layers=layers, n_heads=heads, hidden_dim=ffn)), "qa"),
+        "gpt2-lm": (lambda: T.GPT2LMHeadModel(T.GPT2Config(
+            vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=gpt2_positions, use_cache=False)),
+                    "lm"),
+        "llama-lm": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**gqa)), "lm"),
+        "mistral-lm": (lambda: T.MistralForCausalLM(T.MistralConfig(sliding_window=sliding_window, **gqa)), "lm"),
+        "qwen2-lm": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**gqa)), "lm"),
+        "gptneox-lm": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**dec)), "lm"),
+        "phi-lm": (lambda: T.PhiForCausalLM(T.PhiConfig(**dec)), "lm"),
+        "t5": (lambda: T.T5ForConditionalGeneration(T.T5Config(
+            vocab_size=vocab, d_model=h, d_ff=ffn, num_layers=layers, num_heads=heads, d_kv=h // heads,
+            use_cache=False, decoder_start_token_id=0, pad_token_id=0)), "s2s"),
+        "vit-cls": (lambda: T.ViTForImageClassification(T.ViTConfig(
+            image_size=image, patch_size=8, num_labels=3, **enc)), "img"),
+        "convnext-cls": (lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
+            hidden_sizes=list(hidden_sizes), depths=list(depths), num_stages=len(hidden_sizes), num_labels=3,
+            image_size=image)), "img"),
+    }
+
+
+models = factories()
 
 
 def batch_for(kind: str, g: torch.Generator) -> dict:
+    """The toy batch of a batch kind (``bench_zoo.py`` draws its own, random labels and positions)."""
     ids = torch.randint(3, V, (2, 12), generator=g)
     if kind == "cls":
         return dict(input_ids=ids, labels=torch.tensor([0, 2]))
