@@ -544,3 +544,74 @@ def test_value_read_after_a_deep_network_falls_back():
     wrapped = ORTModule(DeepThenItem())
     with pytest.warns(UserWarning, match=by_frontend("tensor.item()", "reads tensor values")):
         wrapped(torch.randn(2, 4))
+
+
+# -- writes under torch.no_grad() (NOTE [no_grad writes]) ----------------------------------------------
+
+
+class NoGradBookkeeping(nn.Module):
+    """What users keep in buffers from inside forward: a feature EMA written as one chained expression,
+    a step counter, a queue of past features (MoCo-style, written from a tensor that requires grad)
+    which the same forward then reads with grad enabled."""
+
+    def __init__(self, dim: int = 64, queue: int = 256) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(32, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.register_buffer("ema", torch.zeros(dim))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("queue", torch.randn(queue, dim) * 0.1)
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        z = self.enc(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(z.mean(0), alpha=0.1)  # one expression: two writes
+            self.steps += 1
+            self.queue[: z.shape[0]] = z  # the operand requires grad; the write carries none
+        logits = z @ self.queue.t()  # read back with grad enabled: no gradient into z through the queue
+        return logits + (z * self.ema).sum(-1, keepdim=True) + self.steps.float()
+
+
+def test_no_grad_buffer_writes_match_eager():
+    """A chained in-place write under no_grad lost its second op (the result was a marked copy): the EMA
+    buffer kept only the ``mul_`` without a word, in both front ends. Buffers, losses, every grad and
+    the parameters after AdamW steps now match eager."""
+    from .helpers import train_side_by_side
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(64, 32, generator=g),) for _ in range(3)]
+    wrapped = train_side_by_side(NoGradBookkeeping(), batches, lambda out, _: out.pow(2).mean(), rtol=1e-5, steps=4)
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+    assert int(wrapped.steps) == 4
+
+
+class NoGradActivationWrite(nn.Module):
+    """An in-place op under no_grad on an activation that requires grad: eager keeps its history, so
+    the gradient passes the write unchanged (a straight-through clamp); a graph would differentiate it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        with torch.no_grad():
+            if self.how == "clamp_":
+                y.clamp_(-0.1, 0.1)
+            elif self.how == "chain":
+                y.mul_(2).add_(1)
+            else:
+                y[:, 0] = 5.0
+        return self.b(y * y)
+
+
+@pytest.mark.parametrize("how", ["clamp_", "chain", "setitem"])
+def test_no_grad_write_into_a_tensor_requiring_grad_falls_back(how):
+    """Before: no fallback and grads of ``a`` 100% off (both front ends)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    with pytest.raises(ExportError, match="requires grad in place under torch.no_grad"):
+        ORTModule(NoGradActivationWrite(how), fallback="raise")(x)
+    _compare(NoGradActivationWrite(how), [(x,), (x * 2,)], expect_fallback="torch.no_grad")

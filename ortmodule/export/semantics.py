@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ExportError, user_location
 from ..recompute import MASK_SCALE_KEY
 from ..runtime.torch_nodes import inside_call
-from .traps import NOT_REWRITTEN, TraceWatch, rewrite, thread_value
+from .traps import NOT_REWRITTEN, TraceWatch, UnsupportedTrace, is_inplace, rewrite, thread_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,12 +345,34 @@ class _Base(TorchFunctionMode):
             return stop_gradient(args[0])
         if func is F.embedding:
             return self._embedding(func, args, kwargs)
-        out = func(*args, **kwargs)
         if not torch.is_grad_enabled():
+            if args and isinstance(args[0], torch.Tensor) and (is_inplace(func) or kwargs.get("out") is not None):
+                return self._no_grad_write(func, args, kwargs)
             # NOTE [stop gradient]: what the forward computes under torch.no_grad() carries no
             # gradient in eager PyTorch; the tracer records it like any op, so mark it.
-            return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, out)
-        return out
+            return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, func(*args, **kwargs))
+        return func(*args, **kwargs)
+
+    def _no_grad_write(self, func, args, kwargs):
+        """An in-place op (or ``out=``) under ``torch.no_grad()``: NOTE [no_grad writes]."""
+        # NOTE [no_grad writes]: eager PyTorch records nothing for a write under no_grad. Written
+        # into a tensor that needs no grad (a buffer: an EMA, a counter, a memory bank), the result
+        # carries no gradient, so the operands are marked, and the op returns its target itself:
+        # ``buf.mul_(m).add_(x)`` writes ``buf`` twice (a marked copy as result lost the ``add_``).
+        # Written into a tensor that requires grad, eager keeps that tensor's autograd history: the
+        # gradient passes the write unchanged, while a graph would differentiate it. Refused.
+        target = kwargs.get("out") if kwargs.get("out") is not None else args[0]
+        if self.watch is not None and isinstance(target, torch.Tensor) and self.watch.requires_grad_in_eager(target):
+            raise UnsupportedTrace(
+                f"forward writes a tensor that requires grad in place under torch.no_grad() "
+                f"({getattr(func, '__name__', func)} at {user_location()}): eager PyTorch passes the gradient "
+                "through that write unchanged, a graph would differentiate it. Write a new tensor instead, e.g. "
+                "`y = y + (y.clamp(lo, hi) - y).detach()` for a straight-through clamp")
+        mark = lambda t: stop_gradient(t) if t is not target else t  # noqa: E731
+        args = (args[0], *torch.utils._pytree.tree_map_only(torch.Tensor, mark, args[1:]))
+        kwargs = {k: v if k == "out" else torch.utils._pytree.tree_map_only(torch.Tensor, mark, v)
+                  for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
     def _embedding(self, func, args, kwargs):
         names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")

@@ -201,14 +201,14 @@ class TraceWatch:
                 "gradients computed in ONNX Runtime"
             )
             return
-        if args and isinstance(args[0], torch.Tensor) and _is_inplace(func) and self._data_views:
+        if args and isinstance(args[0], torch.Tensor) and is_inplace(func) and self._data_views:
             where = self._data_views.get(_storage_ptr(args[0]))
             if where is not None:
                 raise UnsupportedTrace(
                     f"forward modifies {where} in place through `.data` ({getattr(func, '__name__', func)} at "
                     f"{user_location()}): a graph run cannot write the tensor behind it"
                 )
-        if self._param_storage and args and isinstance(args[0], torch.Tensor) and _is_inplace(func):
+        if self._param_storage and args and isinstance(args[0], torch.Tensor) and is_inplace(func):
             name = self._param_storage.get(_storage_ptr(args[0]))
             if name is not None:
                 # Raised before the op runs: the parameter is not changed by the export.
@@ -256,7 +256,8 @@ _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloo
                     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
 
 
-def _is_inplace(func) -> bool:
+def is_inplace(func) -> bool:
+    """Whether ``func`` writes its first argument (``add_``, ``__iadd__``, ``__setitem__`` ...)."""
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
 
