@@ -22,6 +22,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
+# NOTE [kinks as torch] (export/semantics.py): which torch function's backward a node's rule follows.
+GRAD_KIND_KEY = "pkg.ortmodule.grad_kind"
+
 Rule = Callable[["GradBuilder", ir.Node, Sequence["ir.Value | None"]], Sequence["ir.Value | None"]]
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
 from ..io import FlatInputs
 from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
-from .semantics import define_mask_op, mark_stop_gradients, masks_to_inputs
-from .torch_calls import nodes_without_rules, to_torch_calls
+from .semantics import define_mask_op, mark_grad_kinds, mark_stop_gradients, masks_to_inputs
+from .torch_calls import nodes_without_rules, tie_order_nodes, to_torch_calls
 from .torchscript import (
     WRAPPER_ATTR,
     ExportedModel,
@@ -74,10 +74,14 @@ def _custom_translations() -> dict:
             return _registry
         from onnxscript import opset20 as op
 
-        from .semantics import MASK_OP, STOP_GRADIENT_OP
+        from .semantics import GRAD_KIND_OP, MASK_OP, STOP_GRADIENT_OP
 
         define_mask_op()
         mask_op, stop_op = _custom_op(MASK_OP, ["index"]), _custom_op(STOP_GRADIENT_OP, [])
+        kind_op = _custom_op(GRAD_KIND_OP, ["kind"])
+
+        def grad_kind(x, kind: int):
+            return kind_op(x, kind=kind)
 
         def dropout_mask(x, p: float, k: int):
             return mask_op(x, index=k)
@@ -180,6 +184,7 @@ def _custom_translations() -> dict:
             aten.__or__.Tensor: torchlib.aten_bitwise_or,
             torch.ops.ortmodule.dropout_mask.default: dropout_mask,
             torch.ops.ortmodule.stop_gradient.default: stop_gradient,
+            torch.ops.ortmodule.grad_kind.default: grad_kind,
             aten.batch_norm.default: batch_norm,
         }
         return _registry
@@ -471,10 +476,12 @@ def export_program(
                                   torch_nodes=torch_nodes)
         masks = resolved
     model = _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
-    if torch_nodes and to_torch_calls(ep, nodes_without_rules(model)):  # NOTE [torch nodes]: the rest stays in ORT
+    # NOTE [torch nodes]: the rest stays in ORT
+    if torch_nodes and to_torch_calls(ep, {**tie_order_nodes(ep), **nodes_without_rules(model)}):
         model = _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
     masks_to_inputs(model, list(masks), mask_name, dynamic)
     mark_stop_gradients(model)
+    mark_grad_kinds(model)
     for node in model.graph.node:
         path = _module_path(node)
         keep = [p for p in node.metadata_props if p.key not in _DROP_METADATA]

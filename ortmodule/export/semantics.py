@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..autodiff.registry import GRAD_KIND_KEY
 from ..errors import ExportError, user_location
 from ..recompute import MASK_SCALE_KEY
 from ..runtime.torch_nodes import inside_call
@@ -93,6 +94,9 @@ def _cross_entropy_args(args, kwargs) -> dict:
     return bound
 
 
+_HARDTANHS = {F.hardtanh, F.relu6, F.hardtanh_}
+_TOPK = {torch.topk, torch.Tensor.topk}
+_MAX_MIN = {torch.max, torch.min, torch.Tensor.max, torch.Tensor.min}
 _CLAMPS = {torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, torch.Tensor.clamp_, torch.Tensor.clip_}
 
 
@@ -112,6 +116,23 @@ def _tensor_bounds(args, kwargs):
         return None if v is None else torch.full((), v, dtype=t.dtype, device=t.device)
 
     return (t, *map(as_tensor, args[1:])), {k: as_tensor(v) for k, v in kwargs.items()}
+
+
+def _clamp_by_tensors(func, args, kwargs):
+    """NOTE [kinks as torch]: a clamp with tensor bounds translates to ONNX Max and Min, whose rules
+    split the gradient between tied inputs (torch.maximum's backward); torch.clamp gives it all to
+    ``x`` at its bounds. Written as the two selections clamp's backward makes, same values."""
+    if getattr(func, "__name__", "").endswith("_") or not torch.is_grad_enabled():
+        return NOT_REWRITTEN
+    bound = dict(zip(("input", "min", "max"), args))
+    bound.update(kwargs)
+    x, lo, hi = bound.get("input"), bound.get("min"), bound.get("max")
+    tensors = [b for b in (lo, hi) if isinstance(b, torch.Tensor)]
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not tensors \
+            or not all(b is None or isinstance(b, torch.Tensor) and b.is_floating_point() for b in (lo, hi)):
+        return NOT_REWRITTEN
+    y = x if lo is None else torch.where(x < lo, lo, x)
+    return y if hi is None else torch.where(y > hi, hi, y)
 
 
 def _concrete_ignore_index(func, args, kwargs):
@@ -199,6 +220,18 @@ MASK_DOMAIN = "ortmodule"
 
 
 STOP_GRADIENT_OP = "StopGradient"
+GRAD_KIND_OP = "GradKind"
+# NOTE [kinks as torch]: where one ONNX op stands for torch functions whose backwards differ at ties
+# or bounds, the trace marks the output (``ortmodule::grad_kind``) and :func:`mark_grad_kinds` moves
+# the mark onto the producing node's metadata (``GRAD_KIND_KEY``), where its gradient rule reads it:
+# - ``strict_bounds`` (F.hardtanh, F.relu6, nn.ReLU6 -> Clip): torch's hardtanh backward passes the
+#   gradient strictly inside (lo, hi), clamp's inclusively (the Clip rule's default);
+# - ``first_index`` (torch.max/min(x, dim) -> ReduceMax/Min): the gradient goes to the index the op
+#   returns (the first extremum), where amax/amin split it between ties (the Reduce rule's default).
+# An in-place hardtanh returns the marked value; a later read of its input by the old name keeps
+# clamp's gradient at the bounds (the values are right).
+GRAD_KINDS = {1: "strict_bounds", 2: "first_index"}
+_KIND_OPS = {"strict_bounds": ("Clip",), "first_index": ("ReduceMax", "ReduceMin")}
 
 
 def define_mask_op() -> None:
@@ -214,6 +247,8 @@ def define_mask_op() -> None:
     lib.impl("dropout_mask", lambda x, p, k: torch.ones_like(x), "CompositeExplicitAutograd")
     lib.define("stop_gradient(Tensor x) -> Tensor")
     lib.impl("stop_gradient", lambda x: x.detach().clone(), "CompositeExplicitAutograd")
+    lib.define("grad_kind(Tensor x, int kind) -> Tensor")
+    lib.impl("grad_kind", lambda x, kind: x.clone(), "CompositeExplicitAutograd")
     define_mask_op.lib = lib  # keep the library alive
 
     def mask_symbolic(g, x, p, k):
@@ -227,8 +262,14 @@ def define_mask_op() -> None:
         out.setType(x.type())
         return out
 
+    def kind_symbolic(g, x, kind):
+        out = g.op(f"{MASK_DOMAIN}::{GRAD_KIND_OP}", x, kind_i=torch.onnx.symbolic_helper._get_const(kind, "i", "kind"))
+        out.setType(x.type())
+        return out
+
     torch.onnx.register_custom_op_symbolic("ortmodule::dropout_mask", mask_symbolic, 9)
     torch.onnx.register_custom_op_symbolic("ortmodule::stop_gradient", stop_symbolic, 9)
+    torch.onnx.register_custom_op_symbolic("ortmodule::grad_kind", kind_symbolic, 9)
 
 
 STOP_GRADIENT_KEY = "pkg.ortmodule.stop_gradient"
@@ -246,6 +287,24 @@ def mark_stop_gradients(model) -> None:
     if len(opsets) != len(model.opset_import):
         del model.opset_import[:]
         model.opset_import.extend(opsets)
+
+
+def mark_grad_kinds(model) -> None:
+    """NOTE [kinks as torch]: each traced ``ortmodule.GradKind`` becomes a plain Identity and its kind
+    goes to the metadata of the node that produced its input, when that node is one the kind is for."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    for node in model.graph.node:
+        if node.domain == MASK_DOMAIN and node.op_type == GRAD_KIND_OP:
+            kind = GRAD_KINDS[next(a.i for a in node.attribute if a.name == "kind")]
+            producer = producers.get(node.input[0])
+            if producer is not None and producer.op_type in _KIND_OPS[kind] and producer.domain == "":
+                producer.metadata_props.add(key=GRAD_KIND_KEY, value=kind)
+            node.domain, node.op_type = "", "Identity"
+            del node.attribute[:]
+
+
+def grad_kind(x: torch.Tensor, kind: int) -> torch.Tensor:
+    return torch.ops.ortmodule.grad_kind(x, kind) if x.is_floating_point() and torch.is_grad_enabled() else x
 
 
 def stop_gradient(x: torch.Tensor) -> torch.Tensor:
@@ -335,6 +394,9 @@ class _Base(TorchFunctionMode):
             args, kwargs = _concrete_ignore_index(func, args, kwargs)
         if func in _CLAMPS:
             args, kwargs = _tensor_bounds(args, kwargs)
+            out = _clamp_by_tensors(func, args, kwargs)
+            if out is not NOT_REWRITTEN:
+                return out
         if func is F.cross_entropy:
             b = _cross_entropy_args(args, kwargs)
             if (b["label_smoothing"] > 0.0 and not b["target"].is_floating_point() and b["size_average"] is None
@@ -343,6 +405,18 @@ class _Base(TorchFunctionMode):
                                               b["reduction"], float(b["label_smoothing"]))
         if func in (torch.Tensor.detach, torch.detach):
             return stop_gradient(args[0])
+        if func in _TOPK and self.watch is not None and self.watch.jit:
+            raise UnsupportedTrace(  # NOTE [tie order as torch] (torch_calls.py)
+                f"torch.topk at {user_location()} under the TorchScript front end: ONNX TopK orders tied values "
+                "lowest index first, torch its own way, so the indices (and where the gradient goes) would differ "
+                "from eager at ties; the torch.export front end (the default) runs topk in torch")
+        if func in _HARDTANHS:  # NOTE [kinks as torch]
+            return grad_kind(func(*args, **kwargs), 1)
+        if func in _MAX_MIN and (len(args) > 1 or "dim" in kwargs):
+            out = func(*args, **kwargs)
+            if isinstance(out, tuple) and len(out) == 2:  # (values, indices); torch.max(a, b) is elementwise
+                return type(out)((grad_kind(out[0], 2), out[1]))
+            return out
         if func is F.embedding:
             return self._embedding(func, args, kwargs)
         if not torch.is_grad_enabled():

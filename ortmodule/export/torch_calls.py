@@ -114,8 +114,29 @@ def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
     return found
 
 
+# NOTE [tie order as torch]: torch.topk returns tied values in an order of its own (a row of equal
+# values gives indices 16, 15, 14, ... , not ONNX TopK's lowest-first), so ORT's TopK returned other
+# indices than eager, and its gradient went to other positions. It runs as a torch node.
+_TIE_ORDER = {"topk": "torch.topk orders tied values its own way (the indices and where the gradient goes)"}
+
+
+def tie_order_nodes(ep) -> dict[str, str]:
+    """FX node name -> reason, for the ops whose tie order only torch's own kernel reproduces."""
+    found = {}
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.namespace == "aten":
+            reason = _TIE_ORDER.get(node.target._schema.name.split("::")[-1])
+            if reason is not None:
+                found[node.name] = reason
+    return found
+
+
 def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
     """Rewrite the FX nodes ``names`` of ``ep`` as ``torch_call`` nodes calling their ATen op.
+
+    ``names`` maps each to the ONNX op without a gradient rule it translates to, or to the reason
+    it runs in torch (NOTE [tie order as torch]).
 
     Returns the ones rewritten; a node that cannot be (a symbolic-size argument, a non-tensor
     output, a random op whose draws would move in the stream) is left as it is, and its missing rule
@@ -154,7 +175,9 @@ def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
             return _target(*a, **k)
 
         qualified = f"{target.namespace}::{target._schema.name.split('::')[-1]}.{target._overloadname}"
-        call = TorchCall(fn, qualified, f"no gradient rule for the ONNX op '{names[node.name]}' it translates to",
+        why = names[node.name]
+        why = why if " " in why else f"no gradient rule for the ONNX op '{why}' it translates to"
+        call = TorchCall(fn, qualified, why,
                          n_outputs=len(outs), single=single)
         key = register_call(call)
         with graph.inserting_before(node):

@@ -19,6 +19,7 @@ from .semantics import (
     ExportSemantics,
     MaskSpec,
     define_mask_op,
+    mark_grad_kinds,
     mark_stop_gradients,
     masks_to_inputs,
     route_nested_dropout,
@@ -258,6 +259,7 @@ def export_module(
     masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
     masks_to_inputs(model, list(masks), mask_name, dynamic)
     mark_stop_gradients(model)
+    mark_grad_kinds(model)
     for node in model.graph.node:
         path = module_path_from_scope(node.name, WRAPPER_ATTR)
         if path is not None:

@@ -240,6 +240,32 @@ row("Mish", "Mish", [randn(3, 4, scale=2.0)], F.mish)
 row("PRelu", "PRelu_channel_slope", [away(2, 3, 4), randn(3, 1)], lambda x, s: torch.where(x < 0, s * x, x))
 row("PRelu", "PRelu_scalar_slope", [away(3, 4), randn(1)], lambda x, s: torch.where(x < 0, s * x, x))
 
+# At the kinks themselves (NOTE [kinks as torch]): the one-sided choice of torch's own backward, read from
+# the installed torch (F.hardswish is 0 at -3 and 1 at 3; F.prelu takes the slope at 0; clamp keeps the
+# gradient at its bounds; LeakyRelu/Elu/Selu/Celu take the negative side at 0). No FD check there.
+def at_kinks(*shape: int, kinks) -> np.ndarray:
+    """Random values with about half the elements exactly at a kink."""
+    x = randn(*shape, scale=2.0)
+    hit = _rng.random(shape) < 0.5
+    return np.where(hit, np.asarray(kinks, np.float32)[_rng.integers(0, len(kinks), shape)], x).astype(np.float32)
+
+
+_K0 = at_kinks(4, 6, kinks=(0.0,))
+row("HardSwish", "HardSwish_at_kinks", [at_kinks(4, 6, kinks=(-3.0, 3.0, 0.0))], F.hardswish, fd_check=False)
+row("HardSigmoid", "HardSigmoid_at_kinks", [at_kinks(4, 6, kinks=(-3.0, 3.0))], F.hardsigmoid,
+    attributes={"alpha": 1.0 / 6.0, "beta": 0.5}, fd_check=False)
+row("PRelu", "PRelu_at_zero", [_K0, randn(1)], lambda x, s: F.prelu(x, s), fd_check=False)
+row("LeakyRelu", "LeakyRelu_at_zero", [_K0], lambda x: F.leaky_relu(x, 0.2), attributes={"alpha": 0.2},
+    fd_check=False)
+row("Elu", "Elu_alpha_at_zero", [_K0], lambda x: F.elu(x, 0.5), attributes={"alpha": 0.5}, fd_check=False)
+row("Selu", "Selu_at_zero", [_K0], F.selu, fd_check=False)
+row("Celu", "Celu_at_zero", [_K0], lambda x: F.celu(x, 2.0), attributes={"alpha": 2.0}, fd_check=False)
+row("Relu", "Relu_at_zero", [_K0], F.relu, fd_check=False)
+row("Clip", "Clip_at_bounds", [at_kinks(4, 6, kinks=(-0.5, 0.5)), np.float32(-0.5), np.float32(0.5)],
+    lambda x, lo, hi: torch.clamp(x, lo, hi), fd_check=False)
+row("ThresholdedRelu", "ThresholdedRelu_at_threshold", [at_kinks(4, 6, kinks=(0.5,))],
+    lambda x: F.threshold(x, 0.5, 0.0), attributes={"alpha": 0.5}, fd_check=False)
+
 row("Tan", "Tan", [uniform(3, 4, low=-1.2, high=1.2)], torch.tan)
 row("Atan", "Atan", [randn(3, 4, scale=2.0)], torch.atan)
 row("Asin", "Asin", [uniform(3, 4, low=-0.9, high=0.9)], torch.asin)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..registry import GradBuilder, attr, input_or_none, register
+from ..registry import GRAD_KIND_KEY, GradBuilder, attr, input_or_none, register
 from .elementwise import defunary
 
 
@@ -79,10 +79,10 @@ def hard_sigmoid_grad(g: GradBuilder, node: ir.Node, dys):
 
 
 def _hard_swish_grad(g: GradBuilder, x, y, dy):
-    # torch: 0 for x < -3, x/3 + 1/2 for -3 <= x <= 3, 1 above.
+    # torch (measured, 2.13): 0 for x <= -3, x/3 + 1/2 for -3 < x < 3, 1 from 3 on.
     mid = g.add(g.mul(x, _c(g, 1.0 / 3.0, x)), _c(g, 0.5, x))
-    d = _where(g, g.op("Less", [x, _c(g, -3.0, x)]), _c(g, 0.0, x),
-               _where(g, g.op("LessOrEqual", [x, _c(g, 3.0, x)]), mid, _c(g, 1.0, x), x), x)
+    d = _where(g, g.op("LessOrEqual", [x, _c(g, -3.0, x)]), _c(g, 0.0, x),
+               _where(g, g.op("Less", [x, _c(g, 3.0, x)]), mid, _c(g, 1.0, x), x), x)
     return g.mul(dy, d)
 
 
@@ -112,10 +112,11 @@ defunary("Mish", _mish_grad)
 def prelu_grad(g: GradBuilder, node: ir.Node, dys):
     x, slope = node.inputs
     (y,), dy = node.outputs, dys[0]
-    negative = g.op("Less", [x, _c(g, 0.0, x)])
+    # torch: the slope applies from 0 down (x > 0 takes dy; at 0, dy * slope).
+    positive = _positive(g, x)
     zero = _c(g, 0.0, x)
-    dx = _where(g, negative, g.mul(dy, slope), dy, x)
-    dslope = _where(g, negative, g.mul(dy, x), zero, x)
+    dx = _where(g, positive, dy, g.mul(dy, slope), x)
+    dslope = _where(g, positive, zero, g.mul(dy, x), x)
     return [g.reduce_to(dx, x, y.shape), g.reduce_to(dslope, slope, y.shape)]
 
 
@@ -147,11 +148,13 @@ def clip_grad(g: GradBuilder, node: ir.Node, dys):
     # Like torch.clamp: x gets dy where lo <= x <= hi; a bound gets dy where it was the output.
     conds = []
     grads: list[ir.Value | None] = [None] * len(node.inputs)
+    # NOTE [kinks as torch]: F.hardtanh / relu6 keep it strictly inside the bounds.
+    strict = node.metadata_props.get(GRAD_KIND_KEY) == "strict_bounds"
     if lo is not None:
-        conds.append(g.op("GreaterOrEqual", [x, lo]))
+        conds.append(g.op("Greater" if strict else "GreaterOrEqual", [x, lo]))
         grads[1] = g.reduce_to(_where(g, g.op("Less", [x, lo]), dy, zero, x), lo, y.shape)
     if hi is not None:
-        conds.append(g.op("LessOrEqual", [x, hi]))
+        conds.append(g.op("Less" if strict else "LessOrEqual", [x, hi]))
         grads[2] = g.reduce_to(_where(g, g.op("Greater", [x, hi]), dy, zero, x), hi, y.shape)
     if not conds:
         grads[0] = dy

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import GradBuilder, attr, register, static_shape
-from .indexing import const_ints, dim_of, rank_of, zeros_of
+from ..registry import GRAD_KIND_KEY, GradBuilder, attr, register, static_shape
+from .indexing import const_ints, dim_of, norm_axis, rank_of, zeros_like, zeros_of
 
 # -- Reduce* ------------------------------------------------------------------------------------------
 
@@ -127,11 +127,19 @@ def reduce_log_sum_grad(g: GradBuilder, node: ir.Node, dys):
 
 def _reduce_extremum_grad(g: GradBuilder, node: ir.Node, dys):
     # NOTE [extremum ties]: like torch.amax/amin, the gradient is split evenly between all the
-    # elements equal to the extremum (torch.max(dim=...) instead gives it to one index).
+    # elements equal to the extremum; torch.max/min(x, dim) give it to the index they return, the
+    # first (NOTE [kinks as torch]: the node is marked ``first_index``), as ONNX's ArgMax picks it.
     r = _Reduce(g, node)
     x, (y,) = r.x, node.outputs
     if r.identity:
         return _grads(node, dys[0])
+    axes = const_ints(r.axes) if r.axes is not None else None
+    if node.metadata_props.get(GRAD_KIND_KEY) == "first_index" and axes is not None and len(axes) == 1:
+        axis = norm_axis(axes[0], rank_of(x, f"{node.op_type} input"))
+        arg = "ArgMax" if node.op_type == "ReduceMax" else "ArgMin"
+        idx = g.op(arg, [x], {"axis": axis, "keepdims": 1, "select_last_index": 0}, dtype=ir.DataType.INT64)
+        dy = r.keep(dys[0])
+        return _grads(node, g.op("ScatterElements", [zeros_like(g, x), idx, dy], {"axis": axis}, dtype=x.dtype))
     mask = g.op("Cast", [g.op("Equal", [x, r.keep(y)])], {"to": int(x.dtype)}, dtype=x.dtype)
     share = g.op("Div", [r.keep(dys[0]), r.sum_keep(mask)], dtype=x.dtype)
     return _grads(node, g.mul(mask, share))
