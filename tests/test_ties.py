@@ -1,7 +1,8 @@
-"""Gradients at ties and kinks follow torch's own backward (NOTE [kinks as torch], NOTE [tie order as
-torch], NOTE [relu mask]): where one ONNX op stands for torch functions whose backwards differ at equal
-values or bounds, the graph gave other gradients than eager without a word, on values a quantised input,
-a ReLU or a padding token hits exactly. Each case fails without its fix."""
+"""Values and gradients at ties, kinks, exact zeros and extremes follow torch's own (NOTE [kinks as torch],
+NOTE [tie order as torch], NOTE [as torch], NOTE [relu mask], NOTE [stable logsigmoid]): where one ONNX op
+stands for torch functions whose backwards differ at equal values or bounds, or an ONNX form is not
+torch's at 0, the graph gave other results than eager without a word, on values a quantised input, a
+ReLU or a padding token hits exactly. Each case fails without its fix."""
 
 from __future__ import annotations
 
@@ -117,3 +118,69 @@ def test_topk_ties_route_tokens_like_eager():
     for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
         assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad")
     assert wrapped.stats.fallbacks == 0 and wrapped.stats.torch_nodes >= 1
+
+
+# Inputs with exact zeros (whole rows too) and a few extreme values.
+def _zeros_and_extremes(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 32, generator=g)
+    x[torch.rand(256, 32, generator=g) < 0.2] = 0.0
+    x[::17] = 0.0
+    x[3, :4] = torch.tensor([-150.0, -110.0, 90.0, 120.0])
+    return x
+
+
+EDGE_CASES = {
+    "cdist_zero_distance": lambda x: torch.cdist(x, x[:40]),  # the first 40 rows are at distance 0
+    "atan2_at_origin": lambda x: torch.atan2(x, 0.5 * x),
+    "sinc_at_zero": lambda x: torch.sinc(x),
+    "pow_tensor_exponent_zero_base": lambda x: torch.pow(  # exponents 0 or >= 1: eager is finite at a zero base
+        x.abs().clamp(max=3), torch.where(x.flip(0) == 0, 0 * x.flip(0), 1 + x.flip(0).abs().clamp(max=2))),
+    "logsigmoid_extremes": lambda x: F.logsigmoid(x),
+    "avg_pool_divisor_override": lambda x: F.avg_pool2d(x.view(8, 1, 32, 32), 3, 2, padding=1, divisor_override=4),
+    "scatter_reduce_mean": lambda x: torch.zeros(256, 5).scatter_reduce(1, torch.arange(32).repeat(256, 1) % 5, x,
+                                                                         "mean"),
+    "scatter_reduce_amax": lambda x: torch.zeros(256, 5).scatter_reduce(1, torch.arange(32).repeat(256, 1) % 5, x,
+                                                                         "amax", include_self=False),
+}
+_TORCH_ONLY = {"cdist_zero_distance", "atan2_at_origin", "sinc_at_zero", "avg_pool_divisor_override",
+               "scatter_reduce_mean", "scatter_reduce_amax"}
+
+
+class Edge(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.fn(x * self.scale)
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_values_and_gradients_at_zeros_and_extremes_match_eager(case):
+    """Before: NaN gradients where eager's are finite (cdist at zero distance, atan2 at the origin, sinc at
+    0, pow's exponent gradient at a zero base), -inf for logsigmoid below -104, and wrong outputs without a
+    fallback (avg_pool2d's divisor_override and scatter_reduce's mean were dropped). Under TorchScript the
+    ops only torch computes this way fall back, naming the op."""
+    x = _zeros_and_extremes()
+    model = Edge(EDGE_CASES[case])
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    if not TORCH_EXPORT and case in _TORCH_ONLY:
+        with pytest.warns(UserWarning, match="TorchScript front end"):
+            wrapped(x)
+        return
+    w = torch.randn(model(x).shape, generator=torch.Generator().manual_seed(3))
+    results = []
+    for m in (eager, wrapped):
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        (y * w).sum().backward()
+        results.append((y.detach(), xx.grad, m.scale.grad))
+    (ye, gxe, gse), (yo, gxo, gso) = results
+    assert torch.isfinite(ye).all() and torch.isfinite(gxe).all()
+    assert_close(yo, ye, 1e-6, "output")
+    assert_close(gxo, gxe, 1e-5, "x.grad", atol=1e-5)
+    assert_close(gso, gse, 1e-4, "scale.grad")
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+    assert wrapped.stats.torch_nodes == (1 if case in _TORCH_ONLY else 0)

@@ -497,3 +497,34 @@ def test_a_function_with_a_matmul_inside_under_autocast_runs_as_captured():
     oo.float().sum().backward()
     assert_close(wrapped.module.w.grad, model.w.grad, 2e-2, "w.grad", atol=1e-2)
     assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+
+
+class Untranslatable(nn.Module):
+    """Ops torch.onnx fails to translate with these arguments: a global max (``amax`` over every dim),
+    a per-row median, a running max (``cummax``); each sent the whole model back to eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        peak = h.amax()
+        med = h.median(dim=-1).values
+        run = h.cummax(dim=-1).values
+        return run * peak + med.unsqueeze(-1)
+
+
+def test_ops_torch_onnx_cannot_translate_run_as_torch_nodes():
+    from ortmodule import explain
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(256, 16, generator=g), torch.randn(256, 16, generator=g)) for _ in range(3)]
+    om = train_side_by_side(Untranslatable(), batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=2e-5, steps=3,
+                            kwargs_fn=lambda b: {"x": b[0]})
+    assert om.stats.fallbacks == 0, om.stats.last_fallback_reason
+    assert om.stats.torch_nodes == 3
+    report = explain(Untranslatable(), batches[0][0])
+    assert {t.what for t in report.torch_nodes} == {"aten::amax.default", "aten::median.dim", "aten::cummax.default"}
+    assert all("torch.onnx cannot translate" in t.reason for t in report.torch_nodes), report

@@ -33,7 +33,7 @@ from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_locat
 from ..io import FlatInputs
 from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
 from .semantics import define_mask_op, mark_grad_kinds, mark_stop_gradients, masks_to_inputs
-from .torch_calls import nodes_without_rules, tie_order_nodes, to_torch_calls
+from .torch_calls import nodes_without_rules, to_torch_calls, torch_only_nodes
 from .torchscript import (
     WRAPPER_ATTR,
     ExportedModel,
@@ -459,6 +459,8 @@ def export_program(
     traced = _traced_files(ep)
     if wrapper.output_spec is None:
         raise ExportError(f"{name}.forward was not traced")
+    if torch_nodes:  # NOTE [as torch]: before the decompositions (cdist's would hide it)
+        to_torch_calls(ep, torch_only_nodes(ep))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's own deprecation warnings inside the re-trace
@@ -475,10 +477,10 @@ def export_program(
             return export_program(module, flat, params, param_names, buffers, buffer_names, opset=opset,
                                   torch_nodes=torch_nodes)
         masks = resolved
-    model = _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
+    model = _translate_or_call(ep, name, n_user, param_names, buffer_names, torch_nodes)
     # NOTE [torch nodes]: the rest stays in ORT
-    if torch_nodes and to_torch_calls(ep, {**tie_order_nodes(ep), **nodes_without_rules(model)}):
-        model = _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
+    if torch_nodes and to_torch_calls(ep, nodes_without_rules(model)):
+        model = _translate_or_call(ep, name, n_user, param_names, buffer_names, torch_nodes)
     masks_to_inputs(model, list(masks), mask_name, dynamic)
     mark_stop_gradients(model)
     mark_grad_kinds(model)
@@ -831,6 +833,29 @@ def _unsafe_mutation(ep) -> bool:
                     if user is not node and (order[user] > order[node] or _aliases(user.target)):
                         return True
     return False
+
+
+_UNTRANSLATED = re.compile(r"Error when translating node %(\S+) :")
+_MAX_UNTRANSLATED = 16
+
+
+def _translate_or_call(ep, name: str, n_user: int, param_names, buffer_names, torch_nodes: bool) -> onnx.ModelProto:
+    """:func:`_translate`; with ``torch_nodes``, a node torch.onnx fails to translate (torchlib has no
+    form for its arguments: ``amax`` over every dim, ``median.dim``, ``cummax``) runs in torch and the
+    program is translated again, instead of the whole model falling back (NOTE [torch nodes])."""
+    for _ in range(_MAX_UNTRANSLATED):
+        try:
+            return _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
+        except ExportError as exc:
+            match = _UNTRANSLATED.search(str(exc.__cause__ or ""))
+            if not torch_nodes or match is None:
+                raise
+            node = next((n for n in ep.graph.nodes if n.name == match.group(1)), None)
+            what = getattr(getattr(node, "target", None), "__name__", match.group(1))
+            reason = f"torch.onnx cannot translate {what} ({type(exc.__cause__).__name__})"
+            if not to_torch_calls(ep, {match.group(1): reason}):
+                raise
+    return _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
 
 
 def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) -> onnx.ModelProto:

@@ -95,7 +95,20 @@ def _cross_entropy_args(args, kwargs) -> dict:
 
 
 _HARDTANHS = {F.hardtanh, F.relu6, F.hardtanh_}
-_TOPK = {torch.topk, torch.Tensor.topk}
+
+
+def _torch_only(func, args, kwargs) -> str | None:
+    """Why the ONNX form of this call is not torch's (NOTE [as torch]), or None."""
+    if func in (torch.topk, torch.Tensor.topk):
+        return "ONNX TopK orders tied values lowest index first, torch its own way"
+    if func in (torch.cdist, torch.atan2, torch.Tensor.atan2, torch.arctan2, torch.sinc, torch.Tensor.sinc):
+        return "its ONNX form has NaN gradients at exact zeros where torch's are finite"
+    if func is F.avg_pool2d and (args[6] if len(args) > 6 else kwargs.get("divisor_override")) is not None:
+        return "ONNX AveragePool has no divisor_override"
+    if func in (torch.scatter_reduce, torch.Tensor.scatter_reduce) \
+            and (args[4] if len(args) > 4 else kwargs.get("reduce")) != "sum":
+        return "ONNX ScatterElements has no exact form of this reduction and its gradient"
+    return None
 _MAX_MIN = {torch.max, torch.min, torch.Tensor.max, torch.Tensor.min}
 _CLAMPS = {torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, torch.Tensor.clamp_, torch.Tensor.clip_}
 
@@ -405,11 +418,16 @@ class _Base(TorchFunctionMode):
                                               b["reduction"], float(b["label_smoothing"]))
         if func in (torch.Tensor.detach, torch.detach):
             return stop_gradient(args[0])
-        if func in _TOPK and self.watch is not None and self.watch.jit:
-            raise UnsupportedTrace(  # NOTE [tie order as torch] (torch_calls.py)
-                f"torch.topk at {user_location()} under the TorchScript front end: ONNX TopK orders tied values "
-                "lowest index first, torch its own way, so the indices (and where the gradient goes) would differ "
-                "from eager at ties; the torch.export front end (the default) runs topk in torch")
+        if self.watch is not None and self.watch.jit:
+            why = _torch_only(func, args, kwargs)
+            if why is not None:
+                raise UnsupportedTrace(  # NOTE [as torch] (torch_calls.py)
+                    f"{getattr(func, '__name__', func)} at {user_location()} under the TorchScript front end: {why}, "
+                    "so the result would differ from eager; the torch.export front end (the default) runs it in torch")
+        if func is F.logsigmoid:
+            # NOTE [stable logsigmoid]: both exporters write log(sigmoid(x)), -inf below x ~ -104
+            # where torch's value is ~x (DPO's loss, negative sampling): written as -softplus(-x).
+            return -F.softplus(-args[0])
         if func in _HARDTANHS:  # NOTE [kinks as torch]
             return grad_kind(func(*args, **kwargs), 1)
         if func in _MAX_MIN and (len(args) > 1 or "dim" in kwargs):

@@ -116,17 +116,40 @@ def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
 
 # NOTE [tie order as torch]: torch.topk returns tied values in an order of its own (a row of equal
 # values gives indices 16, 15, 14, ... , not ONNX TopK's lowest-first), so ORT's TopK returned other
-# indices than eager, and its gradient went to other positions. It runs as a torch node.
-_TIE_ORDER = {"topk": "torch.topk orders tied values its own way (the indices and where the gradient goes)"}
+# indices than eager, and its gradient went to other positions.
+# NOTE [as torch]: the ops below run as torch nodes whatever their translation, because it is not
+# torch's at some inputs: topk's ties; at exact zeros the ONNX forms of cdist (a sqrt of a clamped
+# mm form), atan2 (a quotient) and sinc (a Where over a quotient) have NaN gradients where torch's
+# backward is finite; avg_pool2d's divisor_override and scatter_reduce's mean have no ONNX form
+# (torchlib dropped them: wrong outputs), nor do its amax/amin/prod gradients (torch's own handle
+# ties and zeros). Under the TorchScript front end, which has no torch nodes, they fall back.
+def _reduce_arg(node) -> str | None:
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("reduce")  # scatter_reduce.two
 
 
-def tie_order_nodes(ep) -> dict[str, str]:
-    """FX node name -> reason, for the ops whose tie order only torch's own kernel reproduces."""
+_AS_TORCH = {
+    "topk": lambda node: "torch.topk orders tied values its own way (the indices and where the gradient goes)",
+    "cdist": lambda node: "cdist's ONNX form has NaN gradients at zero distance",
+    "_cdist_forward": lambda node: "cdist's ONNX form has NaN gradients at zero distance",
+    "atan2": lambda node: "atan2's ONNX form has NaN gradients at (0, 0)",
+    "sinc": lambda node: "sinc's ONNX form has NaN gradients at 0",
+    "avg_pool2d": lambda node: ("torchlib ignores avg_pool2d's divisor_override"
+                                if (node.args[6] if len(node.args) > 6 else node.kwargs.get("divisor_override"))
+                                is not None else None),
+    "scatter_reduce": lambda node: (f"scatter_reduce '{_reduce_arg(node)}' has no exact ONNX form"
+                                    if _reduce_arg(node) != "sum" else None),
+}
+TORCH_ONLY = frozenset(_AS_TORCH)  # for the TorchScript front end's refusal (semantics.py)
+
+
+def torch_only_nodes(ep) -> dict[str, str]:
+    """FX node name -> reason, for the ops only torch's own kernel computes as eager does (NOTE [as torch])."""
     found = {}
     for node in ep.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
                 and node.target.namespace == "aten":
-            reason = _TIE_ORDER.get(node.target._schema.name.split("::")[-1])
+            why = _AS_TORCH.get(node.target._schema.name.split("::")[-1])
+            reason = why(node) if why is not None else None
             if reason is not None:
                 found[node.name] = reason
     return found
@@ -149,7 +172,7 @@ def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
     for node in list(graph.nodes):
         if node.name not in names or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if node.target.namespace != "aten":  # ortmodule's own placeholders are never torch nodes
+        if node.target.namespace != "aten":  # ortmodule's own placeholders, prims (no autograd) are never torch nodes
             continue
         target = node.target
         flat, spec = pytree.tree_flatten((node.args, node.kwargs))

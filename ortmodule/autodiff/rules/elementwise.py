@@ -92,9 +92,16 @@ def pow_grad(g: GradBuilder, node: ir.Node, dys):
     b_cast = b if b.dtype == a.dtype else g.cast_like(b, a)
     b_minus_1 = g.op("Sub", [b_cast, g.scalar_like(1.0, a)])
     da = g.mul(dy, g.mul(b_cast, g.op("Pow", [a, b_minus_1])))
+    if b.const_value is None:  # torch: 0 where b == 0 (0 * 0^-1 would be NaN at a == 0)
+        b_zero = g.op("Equal", [b_cast, g.scalar_like(0.0, a)])
+        da = g.op("Where", [b_zero, g.scalar_like(0.0, da), da], dtype=da.dtype)
     grads = [g.reduce_to(da, a, y.shape), None]
-    if b.dtype is not None and b.dtype.is_floating_point():
-        # d a^b / db = y * log(a)  (torch gives 0 where a == 0 and b >= 0; we follow log's nan/inf)
+    if b.dtype is not None and b.dtype.is_floating_point() and b.const_value is None:
+        # d a^b / db = y * log(a), 0 where a == 0 and b >= 0 as torch's pow_backward_exponent (0 * -inf
+        # is NaN); a constant exponent gets no gradient, so no mask is paid for x ** 2.
         db = g.mul(dy, g.mul(y, g.op("Log", [a])))
-        grads[1] = g.reduce_to(db, b, y.shape)
+        zero = g.scalar_like(0.0, db)
+        at_zero = g.op("And", [g.op("Equal", [a, g.scalar_like(0.0, a)]),
+                               g.op("GreaterOrEqual", [b_cast, g.scalar_like(0.0, a)])])
+        grads[1] = g.reduce_to(g.op("Where", [at_zero, zero, db], dtype=db.dtype), b, y.shape)
     return grads
