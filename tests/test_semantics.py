@@ -209,3 +209,66 @@ def test_label_smoothing_trains_like_eager(reduction, weighted, spatial):
     # (NOTE [static first]) and a symbolic one at 4 whose guard serves 5 (a Conv head needs no
     # batch-dynamic export: its gradient is an ATen kernel, NOTE [ATen kernels])
     assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 2
+
+
+class ChannelDropoutNet(nn.Module):
+    """What U-Nets and temporal CNNs use: whole channels dropped (Dropout1d/2d/3d), and the inputs eager
+    reads in its own ways (a 3-D input to dropout2d, an unbatched one to dropout3d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv1d(4, 8, 3), nn.Conv2d(8, 8, 3, padding=1), nn.Conv3d(8, 4, 1)
+        self.d1, self.d2, self.d3 = nn.Dropout1d(0.3), nn.Dropout2d(0.25), nn.Dropout3d(0.5)
+
+    def forward(self, x):  # x: [N, 4, 18]
+        h = self.d1(torch.relu(self.c1(x)))  # [N, 8, 16]
+        h = self.d2(torch.tanh(self.c2(h.view(h.shape[0], 8, 4, 4))))
+        h = self.d3(self.c3(h.unsqueeze(2)))  # [N, 4, 1, 4, 4]
+        as_1d = F.dropout2d(h[0, :, 0], 0.2)  # [4, 4, 4], read as [N, C, L]: a [4, 4, 1] mask
+        unbatched = F.dropout3d(h[0], 0.2)  # [4, 1, 4, 4]: a [4, 1, 1, 1] mask
+        return h.flatten(1).sum(-1) + as_1d.sum() + unbatched.sum()
+
+
+def test_feature_dropout_masks_match_eager_bit_for_bit():
+    """NOTE [feature dropout]: the channel masks are drawn by torch in eager order. Before they were ONNX
+    Runtime's draws: losses, grads and weights 20-40% off eager under the same seed."""
+    torch.manual_seed(0)
+    model = ChannelDropoutNet()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(64, 4, 18)
+    for step in range(3):
+        outs = []
+        for m in (eager, wrapped):
+            m.zero_grad()
+            torch.manual_seed(100 + step)
+            out = m(x)
+            out.pow(2).mean().backward()
+            outs.append(out)
+        assert_close(outs[1], outs[0], 1e-6, f"output at step {step}")  # different masks: 5-40% off
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad at step {step}")
+    assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
+
+
+def test_alpha_dropout_in_training_falls_back_naming_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.SELU(), nn.AlphaDropout(0.2))
+    with pytest.warns(UserWarning, match="alpha_dropout"):
+        ORTModule(model)(torch.randn(16, 8))
+
+
+def test_embedding_gradient_scaled_by_frequency_matches_eager():
+    """scale_grad_by_freq divides each row's gradient by its count in the batch; the ONNX form dropped it
+    (rows of repeated tokens 12x off). A torch node under torch.export, a named fallback under TorchScript."""
+    from .helpers import TORCH_EXPORT, train_side_by_side
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32, scale_grad_by_freq=True, padding_idx=0), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    # 8k tokens over 10-90 rows: thousands of repeats per row
+    batches = [(torch.randint(0, 100, (64, 128), generator=g) % (10 + 40 * k),) for k in range(3)]
+    wrapped = train_side_by_side(model, batches, lambda out, b: out.pow(2).mean(), rtol=5e-5)  # 8k-term sums
+    if TORCH_EXPORT:
+        assert wrapped.stats.fallbacks == 0 and wrapped.stats.torch_nodes == 1
+    else:
+        assert wrapped.stats.fallbacks == 1 and "frequency" in wrapped.stats.last_fallback_reason

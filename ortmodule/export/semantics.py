@@ -94,6 +94,7 @@ def _cross_entropy_args(args, kwargs) -> dict:
     return bound
 
 
+_FEATURE_DROPOUTS = {F.dropout1d: 3, F.dropout2d: None, F.dropout3d: 5}  # -> the batched input's rank
 _HARDTANHS = {F.hardtanh, F.relu6, F.hardtanh_}
 
 
@@ -105,6 +106,8 @@ def _torch_only(func, args, kwargs) -> str | None:
         return "its ONNX form has NaN gradients at exact zeros where torch's are finite"
     if func is F.avg_pool2d and (args[6] if len(args) > 6 else kwargs.get("divisor_override")) is not None:
         return "ONNX AveragePool has no divisor_override"
+    if func is F.embedding and (args[5] if len(args) > 5 else kwargs.get("scale_grad_by_freq", False)):
+        return "ONNX has no embedding gradient scaled by the indices' frequency"
     if func in (torch.scatter_reduce, torch.Tensor.scatter_reduce) \
             and (args[4] if len(args) > 4 else kwargs.get("reduce")) != "sum":
         return "ONNX ScatterElements has no exact form of this reduction and its gradient"
@@ -393,6 +396,13 @@ class _Base(TorchFunctionMode):
                 return out
         if func is _F_DROPOUT:
             return self.dropout_call(args, kwargs)
+        if func in _FEATURE_DROPOUTS:
+            return self.feature_dropout_call(func, args, kwargs)
+        if func in (F.alpha_dropout, F.feature_alpha_dropout) and _dropout_args(None, args, kwargs)[2] \
+                and _dropout_args(None, args, kwargs)[1] > 0.0:
+            raise UnsupportedTrace(
+                f"{func.__name__} at {user_location()} in training: its noise would be drawn by ONNX Runtime's "
+                "generator, not torch's as eager does (ortmodule draws the masks of dropout, dropout1d/2d/3d)")
         if func is F.ctc_loss and self.watch is not None and self.watch.torch_nodes and not inside_call():
             from .torch_calls import ctc_loss_call  # NOTE [ctc as a torch node]
 
@@ -481,7 +491,7 @@ class _Base(TorchFunctionMode):
         keep = (idx != padding_idx).unsqueeze(-1)
         return torch.where(keep, out, stop_gradient(out))
 
-    def dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+    def dropout(self, x: torch.Tensor, p: float, keep: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
     def dropout_call(self, args, kwargs) -> torch.Tensor:
@@ -489,6 +499,19 @@ class _Base(TorchFunctionMode):
         if training and p > 0.0:
             return self.dropout(x, p)
         return x
+
+    def feature_dropout_call(self, func, args, kwargs):
+        """NOTE [feature dropout]: F.dropout1d/2d/3d zero whole channels: eager draws a [N, C, 1, ...]
+        mask (``[C, 1, ...]`` for an input it reads as unbatched), the same call as our masks, so it is
+        one, drawn in eager order; ONNX has no such op (the exported form drew on ORT's generator)."""
+        x, p, training = _dropout_args(None, args, kwargs)
+        batched = _FEATURE_DROPOUTS[func]
+        if not training or p <= 0.0 or not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or func is F.dropout1d and x.dim() > 3:  # eager raises, or has nothing to drop
+            return func(*args, **kwargs)
+        # dropout2d drops dim 1 of any input (a 3-D one is read as [N, C, L]); dropout1d/3d read an
+        # input one dim short of batched as unbatched
+        return self.dropout(x, p, keep=2 if batched is None or x.dim() == batched else 1)
 
     def sdpa_call(self, args, kwargs):
         b = _sdpa_args(args, kwargs)
@@ -608,13 +631,17 @@ class ExportSemantics(_Base):
         self.buffer_writes: dict[int, torch.Tensor] = {}  # id(buffer clone) -> its new value
         self.watch = watch
 
-    def dropout(self, x, p):
+    def dropout(self, x, p, keep: int = 0):
         if p >= 1.0:
             return x * 0.0
+        # ``keep``: a feature dropout's mask has x's first ``keep`` dims and ones after (NOTE [feature
+        # dropout]); eager draws it as a fresh contiguous tensor of that shape.
+        like = x[(slice(None),) * keep + (slice(0, 1),) * (x.dim() - keep)] if keep else x
         k = len(self.masks)
-        self.mask_sizes.append(tuple(x.shape))
-        self.masks.append(MaskSpec(tuple(_hint(d) for d in x.shape), x.dtype, p, order=_memory_order(x)))
-        return x * torch.ops.ortmodule.dropout_mask(x, p, k)  # the mask holds 0 or 1 / (1 - p)
+        self.mask_sizes.append(tuple(like.shape))
+        self.masks.append(MaskSpec(tuple(_hint(d) for d in like.shape), x.dtype, p,
+                                   order=None if keep else _memory_order(x)))
+        return x * torch.ops.ortmodule.dropout_mask(like, p, k)  # the mask holds 0 or 1 / (1 - p)
 
     def _batch_norm_export(self, func, x, rm, rv, b, dims, n):
         """torch.export: the running statistics are new values (NOTE [buffer writes]), and the

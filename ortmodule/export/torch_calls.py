@@ -122,7 +122,8 @@ def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
 # mm form), atan2 (a quotient) and sinc (a Where over a quotient) have NaN gradients where torch's
 # backward is finite; avg_pool2d's divisor_override and scatter_reduce's mean have no ONNX form
 # (torchlib dropped them: wrong outputs), nor do its amax/amin/prod gradients (torch's own handle
-# ties and zeros). Under the TorchScript front end, which has no torch nodes, they fall back.
+# ties and zeros), nor embedding's scale_grad_by_freq (its gradient was unscaled). Under the
+# TorchScript front end, which has no torch nodes, they fall back.
 def _reduce_arg(node) -> str | None:
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("reduce")  # scatter_reduce.two
 
@@ -136,6 +137,9 @@ _AS_TORCH = {
     "avg_pool2d": lambda node: ("torchlib ignores avg_pool2d's divisor_override"
                                 if (node.args[6] if len(node.args) > 6 else node.kwargs.get("divisor_override"))
                                 is not None else None),
+    "embedding": lambda node: ("embedding's scale_grad_by_freq has no ONNX form"
+                               if (node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq"))
+                               else None),
     "scatter_reduce": lambda node: (f"scatter_reduce '{_reduce_arg(node)}' has no exact ONNX form"
                                     if _reduce_arg(node) != "sum" else None),
 }
