@@ -219,14 +219,31 @@ def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=F
     if is_causal:
         causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
         scores = scores + torch.zeros(L, S, dtype=scores.dtype, device=q.device).masked_fill(~causal, float("-inf"))
+    keep = None
     if attn_mask is not None:
+        # NOTE [fully masked rows]: torch's SDPA gives 0 for a query row whose keys are all masked
+        # (its safe softmax), by a bool mask or -inf: the pad positions before the first token of a
+        # left-padded causal LM, one of which predicts that token; a fully padded sample under
+        # nn.MultiheadAttention. Plain softmax made them a mean of the values or NaN (the loss and
+        # every gradient 1e-4..10% off). The row is zeroed after the product, at the output's
+        # [.., L, D] size, from the mask at its own (broadcast) size; the finite fill keeps those
+        # rows' weights finite, and exp(min - max) is 0 as exp(-inf) is for the other rows.
+        lowest = torch.finfo(scores.dtype).min
         if attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill(~attn_mask, float("-inf"))
+            allowed = attn_mask
+            attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill(~attn_mask, lowest)
+        else:
+            allowed = attn_mask > float("-inf")
+            attn_mask = attn_mask.clamp(min=lowest)
+        if is_causal:
+            allowed = allowed & causal
+        keep = allowed.any(-1, keepdim=True).to(scores.dtype)
         scores = scores + attn_mask
     weights = torch.softmax(scores, dim=-1)
     if dropout is not None:
         weights = dropout(weights)
-    return torch.matmul(weights, v)
+    out = torch.matmul(weights, v)
+    return out if keep is None else out * keep
 
 
 _DATA = torch._C.TensorBase.data  # the getset descriptor of ``Tensor.data``
@@ -515,11 +532,12 @@ class _Base(TorchFunctionMode):
 
     def sdpa_call(self, args, kwargs):
         b = _sdpa_args(args, kwargs)
-        if b["dropout_p"] > 0.0:
+        mask = b["attn_mask"]
+        if b["dropout_p"] > 0.0 or mask is not None:  # NOTE [fully masked rows]
             p = float(b["dropout_p"])
             return sdpa_math(
-                b["query"], b["key"], b["value"], b["attn_mask"], b["is_causal"], b["scale"],
-                b["enable_gqa"], dropout=lambda w: self.dropout(w, p),
+                b["query"], b["key"], b["value"], mask, b["is_causal"], b["scale"],
+                b["enable_gqa"], dropout=(lambda w: self.dropout(w, p)) if p > 0.0 else None,
             )
         return NOT_REWRITTEN
 
