@@ -10,9 +10,10 @@
 # dtype/device or tuple of them, the identity of anything else), and the keys of its forward and
 # backward hooks; plus the global module hooks. Attributes added after the export do not count unless they shadow
 # a class attribute (``layer.forward = f``): the traced forward did not read them. Nor do tensors
-# with a grad_fn (a loss stored on the model between steps). Not seen: in-place changes inside a
-# list/dict/object attribute (``self.cfg.flag = True`` on a shared config object), and methods
-# patched on the class.
+# with a grad_fn (a loss stored on the model between steps). A plain object, dict or list held by a
+# module with at most 256 entries counts by its atomic entries too (NOTE [config guards]:
+# ``model.config.output_hidden_states = True`` after the first call was served by the stale graph).
+# Not seen: entries of bigger containers, nested objects, globals, methods patched on the class.
 # Parameters and buffers are bound afresh on every call and their names/specs are in the signature;
 # train/eval flags are in the signature too, so switching back and forth keeps both graphs.
 """
@@ -36,30 +37,68 @@ _SKIP = frozenset({
 })
 
 
-def _value_key(v: Any) -> Any:
+_SMALL = 256
+
+
+def _atomic(v: Any) -> bool:
+    return isinstance(v, _ATOMIC) or type(v) is tuple and all(isinstance(x, _ATOMIC) for x in v)
+
+
+def _contents(v: Any) -> tuple | None:
+    """NOTE [config guards]: the atomic entries of a small plain dict, list or object (an HF config,
+    a dict of options), or None for anything else (modules, tensors, functions, big containers)."""
+    if type(v) is dict:
+        items = v.items() if len(v) <= _SMALL else None
+    elif type(v) is list:
+        return tuple(v) if len(v) <= _SMALL and all(_atomic(x) for x in v) else None
+    elif isinstance(v, (nn.Module, torch.Tensor, type)) or callable(v) or not hasattr(v, "__dict__"):
+        return None
+    else:
+        d = vars(v)
+        items = d.items() if type(d) is dict and len(d) <= _SMALL else None
+    if items is None:
+        return None
+    return tuple([(k, x) for k, x in items if _atomic(x) and _atomic(k)])
+
+
+def _value_key(v: Any, seen: dict[int, tuple | None]) -> Any:
     if isinstance(v, _ATOMIC):
         return v
-    if isinstance(v, torch.Tensor) and v.grad_fn is not None:
-        return None  # a result kept on the module (``model.loss = ...``), not an input of forward
+    if isinstance(v, torch.Tensor):
+        # a result kept on the module (``model.loss = ...``) is not an input of forward
+        return None if v.grad_fn is not None else ("id", id(v))
     if type(v) is tuple and all(isinstance(x, _ATOMIC) for x in v):
         return v
-    return ("id", id(v))
+    key = id(v)
+    if key not in seen:  # an object shared by many submodules (the config) is read once per snapshot
+        seen[key] = _contents(v)
+    contents = seen[key]
+    return ("id", key) if contents is None else ("id", key, contents)
 
 
-def _module_key(m: nn.Module) -> tuple:
+def _module_key(m: nn.Module, seen: dict[int, tuple | None]) -> tuple:
     d = m.__dict__
-    attrs = tuple([(k, v if isinstance(v, _ATOMIC) else _value_key(v)) for k, v in d.items() if k not in _SKIP])
+    attrs = tuple([(k, v if isinstance(v, _ATOMIC) else _value_key(v, seen)) for k, v in d.items()
+                   if k not in _SKIP])
     return (id(m), attrs, tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]), tuple(d["_backward_hooks"]),
             tuple(d["_backward_pre_hooks"]))
+
+
+def atomic_attributes(module: nn.Module) -> dict[tuple[int, str], Any]:
+    """(submodule index in ``modules()`` order, name) -> value, for every plain int/float/bool/str ...
+    attribute (what a forward may count or flag in)."""
+    return {(i, k): v for i, m in enumerate(module.modules()) for k, v in m.__dict__.items()
+            if k not in _SKIP and _atomic(v)}
 
 
 def snapshot(module: nn.Module) -> tuple[tuple[bool, ...], tuple]:
     """(train/eval flag of every submodule, the guard key of NOTE [module guards]) in one walk."""
     modes = []
     keys = []
+    seen: dict[int, tuple | None] = {}
     for m in module.modules():
         modes.append(m.training)
-        keys.append(_module_key(m))
+        keys.append(_module_key(m, seen))
     keys.append((tuple(_nn_module._global_forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
                  tuple(_nn_module._global_backward_hooks), tuple(_nn_module._global_backward_pre_hooks)))
     return tuple(modes), tuple(keys)

@@ -174,6 +174,7 @@ class ORTModule(nn.Module):
         self._stats = Stats()
         self._lock = threading.RLock()
         self._warned: set[str] = set()
+        self._recheck: set = set()  # signatures whose trace changed module attributes (NOTE [side effects])
         self._guard: tuple | None = None  # NOTE [module guards]: the last call's snapshot
         self._exported_guard: tuple | None = None  # ... and the one the compiled graphs stand for
 
@@ -304,11 +305,17 @@ class ORTModule(nn.Module):
                     self._entries.put(sig, entry)
                 # The trace ran the forward, which may set attributes (caches, counters): the graph
                 # stands for the module as the trace left it.
-                self._guard = self._exported_guard = snapshot(module)[1]
+                after = snapshot(module)[1]
+                if after != guard and not isinstance(entry, ORTModuleError):
+                    self._recheck.add(sig)  # NOTE [side effects]
+                self._guard = self._exported_guard = after
             else:
                 self._stats.cache_hits += 1
                 if self._stats.cache_hits % 64 == 0:  # psutil costs ~20 us: sample, don't poll
                     self._stats.update_rss()
+                if self._recheck and sig in self._recheck and entry is not _FALLBACK:
+                    self._recheck.discard(sig)
+                    return self._side_effect_check(sig, module, args, kwargs)
         if isinstance(entry, ORTModuleError):
             # Nothing could be compiled: the eager forward decides (NOTE [user errors]). An error it
             # raises is the user's (a wrong input), raised as eager raises it, and no fallback; if it
@@ -377,6 +384,24 @@ class ORTModule(nn.Module):
             return exc  # the eager forward decides (see forward)
         self._stats.update_rss()
         return entry
+
+    def _side_effect_check(self, sig, module: nn.Module, args, kwargs):
+        """NOTE [side effects]: the trace changed the module's attributes. A cache or a warn-once flag
+        is set once; a counter (``self.step += 1``, read to anneal a temperature) changes on every
+        call, which a graph cannot replay: the graph would keep the traced value and the attribute
+        would stop moving, without a word. So the second call of such a signature runs eagerly (as
+        eager would) and watches: an attribute changed again makes the signature fall back, naming it."""
+        before = snapshot(module)[1]
+        out = module(*args, **kwargs)
+        after = snapshot(module)[1]
+        with self._lock:
+            change = find_change(module, before, after) if after != before else None
+            if change is not None:
+                self._entries.put(sig, self._fall_back(ExportError(
+                    f"{type(module).__name__}.forward changes {change} on every call (a Python side effect such "
+                    "as a step counter), which a compiled graph cannot replay; this input signature runs eagerly")))
+            self._guard = self._exported_guard = after
+        return out
 
     def _fall_back(self, exc: ORTModuleError):
         """Record a fallback (one warning per cause), or raise ``exc`` under fallback='raise'."""

@@ -150,3 +150,106 @@ def test_buffer_and_parameter_registered_on_the_wrapper_are_the_modules():
     assert "gain" in dict(wrapped.named_parameters())
     assert {"steps", "gain"} <= set(wrapped.state_dict())
     assert wrapped.module.steps is wrapped.steps
+
+
+class Annealed(nn.Module):
+    """A forward that counts its own calls and anneals with the count (a Gumbel temperature, scheduled
+    sampling), and sets a warn-once flag on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.step = 0
+        self.warned = False
+
+    def forward(self, x):
+        self.step += 1
+        self.warned = True
+        tau = max(0.5, 2.0 - 0.25 * self.step)
+        return torch.softmax(self.lin(x) / tau, -1)
+
+
+def test_attribute_counted_on_every_call_falls_back_and_matches_eager():
+    """NOTE [side effects]: before, the graph kept the traced temperature and (torch.export puts attributes
+    back after its trace) the counter never moved: outputs off from the second call on, no warning."""
+    import pytest
+
+    torch.manual_seed(0)
+    model = Annealed()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(32, 16)
+    with pytest.warns(UserWarning, match=r"changes attribute\(s\) \['step'\] .* on every call"):
+        for call in range(6):
+            outs = []
+            for m in (eager, wrapped):
+                m.zero_grad(set_to_none=True)
+                y = m(x)
+                y.pow(2).sum().backward()
+                outs.append(y.detach())
+            assert_close(outs[1], outs[0], 1e-6, f"output of call {call}")
+            assert_close(wrapped.lin.weight.grad, eager.lin.weight.grad, 1e-5, f"lin.weight.grad at call {call}")
+            assert wrapped.module.step == eager.step == call + 1
+    assert wrapped.stats.fallbacks == 1 and wrapped.stats.exports == 1
+
+
+class WarnsOnce(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.warned = False
+
+    def forward(self, x):
+        if not self.warned:
+            self.warned = True  # a flag set on the first call only: the graphs stay
+        return self.lin(x)
+
+
+def test_attribute_set_on_the_first_call_only_keeps_the_graph():
+    from .helpers import CallCounter
+
+    torch.manual_seed(0)
+    model = WarnsOnce()
+    counter = CallCounter(model)
+    wrapped = ORTModule(model)
+    for _ in range(5):
+        wrapped(torch.randn(4, 8)).sum().backward()
+    assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 1
+    assert counter.count == 2  # the trace, and the one eager call that checked the flag stays put
+
+
+def test_config_object_and_dict_attribute_changes_reexport():
+    """NOTE [config guards]: ``model.config.output_hidden_states = True`` (an HF config shared by every
+    layer) or an entry of a dict of options changed after the first call was served by the stale graph."""
+    transformers = __import__("pytest").importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, num_labels=2, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(cfg)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    ids = torch.randint(0, 50, (2, 12))
+    for m in (eager, wrapped):
+        assert m(input_ids=ids).hidden_states is None
+        m.config.output_hidden_states = True
+    hs_e, hs_o = eager(input_ids=ids).hidden_states, wrapped(input_ids=ids).hidden_states
+    assert hs_o is not None and len(hs_o) == len(hs_e) == 3
+    for a, b in zip(hs_o, hs_e):
+        assert_close(a, b, 1e-5, "hidden state")
+
+    class Options(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.opts = {"scale": 1.0, "act": "relu"}
+
+        def forward(self, x):
+            h = self.lin(x) * self.opts["scale"]
+            return torch.relu(h) if self.opts["act"] == "relu" else torch.tanh(h)
+
+    opts = ORTModule(Options())
+    x = torch.randn(4, 8)
+    opts(x)
+    opts.module.opts["act"] = "tanh"
+    opts.module.opts["scale"] = 3.0
+    assert_close(opts(x), torch.tanh(opts.module.lin(x) * 3.0), 1e-6, "after the dict changed")
+    assert opts.stats.exports == 2

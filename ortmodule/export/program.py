@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
+from ..guards import atomic_attributes
 from ..io import FlatInputs
 from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
 from .semantics import define_mask_op, mark_grad_kinds, mark_stop_gradients, masks_to_inputs
@@ -447,7 +448,7 @@ def export_program(
             warnings.simplefilter("ignore")
             ep = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
-        wrapper.restore()
+        wrapper.restore(writes=False)  # the module runs eagerly instead: its own writes count once
         trap = wrapper.watch.failure()
         if trap is not None:
             raise ExportError(f"{name}: {trap}") from exc
@@ -536,14 +537,26 @@ class _Captured(_Flat):
         self._read = lambda: dict(record)
 
     def forward(self, *tensors: torch.Tensor):
+        module = getattr(self, WRAPPER_ATTR)
+        before = atomic_attributes(module)
         try:
             return super().forward(*tensors)
         finally:
-            self._sink({k: getattr(self, k) for k in self._KEPT})
+            after = atomic_attributes(module)
+            writes = {k: v for k, v in after.items() if k not in before or before[k] != v}
+            self._sink({**{k: getattr(self, k) for k in self._KEPT}, "attribute_writes": writes})
 
-    def restore(self) -> None:
-        for k, v in self._read().items():
+    def restore(self, writes: bool = True) -> None:
+        """Put back what the forward learnt, and the plain attributes it wrote in the module (NOTE [side
+        effects]: as the TorchScript trace leaves them, so that a counter's move is seen)."""
+        record = self._read()
+        written = record.pop("attribute_writes", {})
+        for k, v in record.items():
             object.__setattr__(self, k, v)
+        if writes and written:
+            modules = list(getattr(self, WRAPPER_ATTR).modules())
+            for (i, name), value in written.items():
+                setattr(modules[i], name, value)
 
 
 def _reinfer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
