@@ -396,6 +396,9 @@ class _Base(TorchFunctionMode):
     def _batch_norm(self, func, args, kwargs):
         return func(*args, **kwargs)
 
+    def _instance_norm(self, func, args, kwargs):
+        return func(*args, **kwargs)
+
     watch: TraceWatch | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -430,6 +433,8 @@ class _Base(TorchFunctionMode):
                 return out
         if func is F.batch_norm:
             return self._batch_norm(func, args, kwargs)
+        if func is F.instance_norm:
+            return self._instance_norm(func, args, kwargs)
         if func in (F.cross_entropy, F.nll_loss):
             args, kwargs = _concrete_ignore_index(func, args, kwargs)
         if func in _CLAMPS:
@@ -675,6 +680,39 @@ class ExportSemantics(_Base):
         var = (centred * centred).mean(dims)
         self.buffer_writes[id(rm)], self.buffer_writes[id(rv)] = _running_stats(rm, rv, mean, var, momentum, n)
         return func(x, None, None, b["weight"], b["bias"], True, momentum, b["eps"])
+
+    def _instance_norm(self, func, args, kwargs):
+        """NOTE [instance norm stats]: InstanceNorm with ``track_running_stats`` normalises each instance
+        by its own statistics and moves the running ones by their mean over the batch (torch: a batch
+        norm over [1, N*C, ...] with repeated running stats, averaged back over N). The exported
+        graph dropped that update: the statistics stayed at their initial values, and eval-mode
+        outputs were 4% off eager. Written out as the BatchNorm update is (NOTE [batchnorm stats])."""
+        names = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+        b = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "use_input_stats": True,
+             "momentum": 0.1, "eps": 1e-5}
+        b.update(zip(names, args))
+        b.update(kwargs)
+        x, rm, rv = b["input"], b["running_mean"], b["running_var"]
+        if not (b["use_input_stats"] and rm is not None and rv is not None):
+            return func(*args, **kwargs)
+        if b["momentum"] is None:
+            raise UnsupportedTrace("InstanceNorm with momentum=None (a cumulative average) is not supported")
+        dims = list(range(2, x.dim()))
+        n = x[0, 0].numel()
+        export = self.watch is not None and not self.watch.jit
+        if export and (id(rm) in self.buffer_writes or id(rv) in self.buffer_writes):
+            raise ExportError("an InstanceNorm's running statistics are updated twice in one forward")
+        with contextlib.nullcontext() if export else torch.no_grad():
+            xd = stop_gradient(x) if export else x.detach()
+            centred = xd - xd.mean(dims, keepdim=True)
+            mean, var = xd.mean(dims).mean(0), (centred * centred).mean(dims).mean(0)
+            new_mean, new_var = _running_stats(rm, rv, mean, var, b["momentum"], n)
+            if export:
+                self.buffer_writes[id(rm)], self.buffer_writes[id(rv)] = new_mean, new_var
+            else:
+                rm.copy_(new_mean)
+                rv.copy_(new_var)
+        return func(x, None, None, b["weight"], b["bias"], True, b["momentum"], b["eps"])
 
     def _batch_norm(self, func, args, kwargs):
         names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
