@@ -73,7 +73,8 @@ def _value_key(v: Any, seen: dict[int, tuple | None]) -> Any:
     if key not in seen:  # an object shared by many submodules (the config) is read once per snapshot
         seen[key] = _contents(v)
     contents = seen[key]
-    return ("id", key) if contents is None else ("id", key, contents)
+    # by content where it has one: torch.export puts containers back as copies after its trace
+    return ("id", key) if contents is None else (type(v).__name__, contents)
 
 
 def _module_key(m: nn.Module, seen: dict[int, tuple | None]) -> tuple:

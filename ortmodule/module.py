@@ -25,7 +25,7 @@ from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
-from .guards import find_change, snapshot
+from .guards import atomic_attributes, find_change, snapshot
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
 from .runtime import disk_cache
@@ -298,6 +298,7 @@ class ORTModule(nn.Module):
             entry = self._entries.get(sig)
             fresh = entry is None  # verify mode checks a new graph's first call (ortmodule/verify.py)
             if entry is None:
+                attrs = atomic_attributes(module)
                 entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
                                                   needs_grad)
                 if not isinstance(entry, ORTModuleError):
@@ -305,10 +306,9 @@ class ORTModule(nn.Module):
                     self._entries.put(sig, entry)
                 # The trace ran the forward, which may set attributes (caches, counters): the graph
                 # stands for the module as the trace left it.
-                after = snapshot(module)[1]
-                if after != guard and not isinstance(entry, ORTModuleError):
+                if not isinstance(entry, ORTModuleError) and _counts(attrs, atomic_attributes(module)):
                     self._recheck.add(sig)  # NOTE [side effects]
-                self._guard = self._exported_guard = after
+                self._guard = self._exported_guard = snapshot(module)[1]
             else:
                 self._stats.cache_hits += 1
                 if self._stats.cache_hits % 64 == 0:  # psutil costs ~20 us: sample, don't poll
@@ -386,11 +386,12 @@ class ORTModule(nn.Module):
         return entry
 
     def _side_effect_check(self, sig, module: nn.Module, args, kwargs):
-        """NOTE [side effects]: the trace changed the module's attributes. A cache or a warn-once flag
-        is set once; a counter (``self.step += 1``, read to anneal a temperature) changes on every
-        call, which a graph cannot replay: the graph would keep the traced value and the attribute
-        would stop moving, without a word. So the second call of such a signature runs eagerly (as
-        eager would) and watches: an attribute changed again makes the signature fall back, naming it."""
+        """NOTE [side effects]: the trace changed a number the module holds. A warn-once flag or a
+        label set once (HF's ``config.problem_type``) is not a number and is left alone; a counter
+        (``self.step += 1``, read to anneal a temperature) changes on every call, which a graph cannot
+        replay: the graph would keep the traced value and the counter would stop moving, without a
+        word. So the second call of such a signature runs eagerly (as eager would) and watches: an
+        attribute changed again makes the signature fall back, naming it."""
         before = snapshot(module)[1]
         out = module(*args, **kwargs)
         after = snapshot(module)[1]
@@ -646,6 +647,15 @@ _SHARDED_INSIDE = (
     "never run inside the ONNX Runtime graph. Apply ORTModule first, then fully_shard the wrapper "
     "(model = ORTModule(model); fully_shard(model)), or put the ORTModule inside an eager FSDP root"
 )
+
+
+def _counts(before: dict, after: dict) -> bool:
+    """Whether an int or float attribute changed (NOTE [side effects]): what a counter looks like."""
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and before.get(k, _NOTHING) != v
+               for k, v in after.items())
+
+
+_NOTHING = object()
 
 
 def _is_fsdp(module: nn.Module) -> bool:

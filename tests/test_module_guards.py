@@ -192,29 +192,33 @@ def test_attribute_counted_on_every_call_falls_back_and_matches_eager():
     assert wrapped.stats.fallbacks == 1 and wrapped.stats.exports == 1
 
 
-class WarnsOnce(nn.Module):
-    def __init__(self) -> None:
+class SetsOnce(nn.Module):
+    def __init__(self, number: bool) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.warned = False
+        self.number = number
+        self.warned, self.problem_type, self.width = False, None, None
 
     def forward(self, x):
-        if not self.warned:
-            self.warned = True  # a flag set on the first call only: the graphs stay
+        if not self.warned:  # set on the first call only: the graphs stay
+            self.warned, self.problem_type = True, "regression"
+        if self.number:
+            self.width = self.lin.in_features * 2  # a number: checked once by an eager second call
         return self.lin(x)
 
 
 def test_attribute_set_on_the_first_call_only_keeps_the_graph():
     from .helpers import CallCounter
 
-    torch.manual_seed(0)
-    model = WarnsOnce()
-    counter = CallCounter(model)
-    wrapped = ORTModule(model)
-    for _ in range(5):
-        wrapped(torch.randn(4, 8)).sum().backward()
-    assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 1
-    assert counter.count == 2  # the trace, and the one eager call that checked the flag stays put
+    for number in (False, True):
+        torch.manual_seed(0)
+        model = SetsOnce(number)
+        counter = CallCounter(model)
+        wrapped = ORTModule(model)
+        for _ in range(5):
+            wrapped(torch.randn(4, 8)).sum().backward()
+        assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 1
+        assert counter.count == (2 if number else 1)  # the trace (and the eager call that saw the number stay)
 
 
 def test_config_object_and_dict_attribute_changes_reexport():
