@@ -12,7 +12,10 @@ import os
 # 309 -> 330 ms; [2048, 256] x [256, 1024] 6.07 ms in torch against 5.06 in ORT on this host), and
 # LayerNormalization / Softmax by aten::native_layer_norm_backward / _softmax_backward_data (BERT-4L
 # fwd+loss+bwd median 325 -> 355 / 351 ms, benchmarks/ab_kernels.py --model bert: the kernels take
-# 4-5 ms, the split backward loses more than they save).
+# 4-5 ms, the split backward loses more than they save); the Gather (embedding) gradient by
+# aten::embedding_dense_backward (bench_zoo.py, vocab 8192, AVX-512 Xeon, ORT fwd+bwd median, two
+# interleaved rounds: bert-cls 123.5/129.0 -> 138.0/137.4 ms, gpt2-lm 214/213 -> 224/224, llama-lm
+# 191/203 -> 211/206: the exact ScatterElements stays).
 KERNELS = {
     "Conv": "aten::convolution_backward (oneDNN; grouped/depthwise 2-d on channels-last copies)",
     "MaxPool": "ortmodule::max_pool2d_backward (torch's channels-last pooling)",
