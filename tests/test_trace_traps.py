@@ -615,3 +615,30 @@ def test_no_grad_write_into_a_tensor_requiring_grad_falls_back(how):
     with pytest.raises(ExportError, match="requires grad in place under torch.no_grad"):
         ORTModule(NoGradActivationWrite(how), fallback="raise")(x)
     _compare(NoGradActivationWrite(how), [(x,), (x * 2,)], expect_fallback="torch.no_grad")
+
+
+class NoPreserve(nn.Module):
+    def __init__(self, reentrant: bool, p: float) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(p), nn.Linear(64, 32))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant, preserve_rng_state=False)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_without_rng_preservation_around_dropout_falls_back(reentrant):
+    """Eager's recompute then draws new dropout masks (another gradient, and the generator moves on for
+    every later step); ortmodule's recompute reuses the forward's. Before: 80% off eager's grads, no word.
+    Without dropout inside, preserve_rng_state=False changes nothing and the region stays in ORT."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    with pytest.raises(ExportError, match="preserve_rng_state=False"):
+        ORTModule(NoPreserve(reentrant, 0.3), fallback="raise")(x)
+    quiet = ORTModule(NoPreserve(reentrant, 0.0), fallback="raise")
+    quiet(x).sum().backward()
+    assert quiet.stats.fallbacks == 0

@@ -660,6 +660,8 @@ class ExportSemantics(_Base):
         # ``keep``: a feature dropout's mask has x's first ``keep`` dims and ones after (NOTE [feature
         # dropout]); eager draws it as a fresh contiguous tensor of that shape.
         like = x[(slice(None),) * keep + (slice(0, 1),) * (x.dim() - keep)] if keep else x
+        if self.watch is not None:
+            self.watch.random_draws += 1
         k = len(self.masks)
         self.mask_sizes.append(tuple(like.shape))
         self.masks.append(MaskSpec(tuple(_hint(d) for d in like.shape), x.dtype, p,

@@ -99,6 +99,7 @@ class TraceWatch:
         self._data_views: dict[int, str] = {}  # storage of a traced ``x.data`` -> where it was read
         self.torch_nodes = False  # a custom Function becomes a torch node (NOTE [torch nodes])
         self.checkpoints: list[object] = []  # what each torch.utils.checkpoint call ran (NOTE [checkpoint regions])
+        self.random_draws = 0  # dropout masks drawn so far (a checkpoint without preserve_rng_state watches it)
 
     def watch_inputs(self, user: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
                      grad_sources: Sequence[torch.Tensor] = ()) -> None:
@@ -465,6 +466,21 @@ _local = threading.local()
 _installed = threading.Lock()
 
 
+def _no_preserve_message(where: str) -> str:
+    return (f"torch.utils.checkpoint(preserve_rng_state=False) at {where} runs dropout: eager's recompute draws "
+            "new masks (another gradient, and torch's generator moves on), ortmodule's recompute reuses the "
+            "forward's; pass preserve_rng_state=True (the default)")
+
+
+def _draws_refused(watch: TraceWatch, gen, where: str):
+    """The non-reentrant checkpoint's generator, refusing a region that drew dropout masks when the RNG
+    state is not preserved: the region runs between its two steps."""
+    draws = watch.random_draws
+    yield from gen
+    if watch.random_draws > draws:
+        watch.other.append(_no_preserve_message(where))
+
+
 def _install_apply_hook() -> None:
     """Wrap ``torch.autograd.Function.apply`` once: a no-op unless this thread is tracing for us."""
     base = torch.autograd.Function
@@ -481,6 +497,8 @@ def _install_apply_hook() -> None:
             watch = getattr(_local, "watch", None)
             if watch is not None and watch.tracing():
                 watch.checkpoints.append(function)
+                if not (args[0] if args else kwargs.get("preserve_rng_state", True)):
+                    return _draws_refused(watch, generator(function, *args, **kwargs), user_location())
             return generator(function, *args, **kwargs)
 
         checkpoint_module._checkpoint_without_reentrant_generator = without_reentrant
@@ -489,7 +507,13 @@ def _install_apply_hook() -> None:
             watch = getattr(_local, "watch", None)
             if watch is not None and watch.tracing():
                 if cls is CheckpointFunction:
-                    function, _preserve_rng, *inputs = args
+                    function, preserve_rng, *inputs = args
+                    if not preserve_rng:
+                        draws = watch.random_draws
+                        out = function(*inputs)
+                        if watch.random_draws > draws:
+                            watch.other.append(_no_preserve_message(user_location()))
+                        return out
                     watch.grad_sensitive = True
                     watch.checkpoints.append(function)
                     if not any(isinstance(t, torch.Tensor) and watch.requires_grad_in_eager(t) for t in inputs):
