@@ -147,8 +147,12 @@ def _as_early_as_possible(nodes: Sequence[ir.Node], extra: Sequence[ir.Node]) ->
             pending[n] += 1
             waiting.setdefault(p, []).append(n)
     out: list[ir.Node] = []
+    placed: set[ir.Node] = set()
 
     def emit(node: ir.Node) -> None:
+        if node in placed:  # an extra node freed by another one's emission, met again in the loop below
+            return
+        placed.add(node)
         out.append(node)
         for m in waiting.pop(node, ()):
             pending[m] -= 1
@@ -160,7 +164,6 @@ def _as_early_as_possible(nodes: Sequence[ir.Node], extra: Sequence[ir.Node]) ->
             emit(n)
     for n in nodes:
         emit(n)
-    placed = set(out)
     return out + [n for n in extra if n not in placed]  # (none left: a cycle would be a bug upstream)
 
 
