@@ -84,3 +84,35 @@ def test_autocast_state_is_part_of_the_signature():
         assert wrapped(x).dtype == torch.float16
     assert wrapped(x).dtype == torch.float32
     assert wrapped.stats.exports == 2
+
+
+class PaddedSelfAttention(nn.Module):
+    """nn.MultiheadAttention with a key-padding mask (one sample fully padded) under fp16 autocast: its
+    gradient sums rows with a ScatterElements, which onnxruntime's CPU kernel cannot add in half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, pad):
+        return self.head(self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0])
+
+
+def test_fp16_autocast_backward_sums_rows_in_float():
+    """Before: the first backward raised onnxruntime's 'MLFloat16 data type is not supported with
+    ScatterElements ... reduction is add' after the forward had run."""
+    torch.manual_seed(0)
+    model = PaddedSelfAttention()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(8, 20, 32)
+    pad = torch.zeros(8, 20, dtype=torch.bool)
+    pad[2], pad[3, :5] = True, True
+    for m in (eager, wrapped):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = m(x, pad)
+        out.float().pow(2).mean().backward()
+    for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert torch.isfinite(po.grad).all(), name
+        assert_close(po.grad, pe.grad, 1e-2, f"{name}.grad", atol=1e-3)  # fp16: eager's kernels differ
+    assert wrapped.stats.fallbacks == 0

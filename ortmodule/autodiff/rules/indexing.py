@@ -174,8 +174,21 @@ def scatter_add_rows(
     r = rank
     idx_f = g.op("Reshape", [idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1))], dtype=ir.DataType.INT64)
     idx_e = g.op("Expand", [idx_f, g.op("Shape", [updates], dtype=ir.DataType.INT64)], dtype=ir.DataType.INT64)
-    return g.op("ScatterElements", [base, idx_e, updates], {"axis": axis, "reduction": "add"},
-                dtype=base.dtype, shape=base.shape)
+    return scatter_elements_add(g, base, idx_e, updates, axis, shape=base.shape)
+
+
+def scatter_elements_add(g: GradBuilder, base: ir.Value, idx: ir.Value, updates: ir.Value, axis: int,
+                         shape: ir.Shape | None = None) -> ir.Value:
+    """``ScatterElements(base, idx, updates, reduction='add')``. onnxruntime's CPU kernel has no 'add'
+    for half types (a run-time error in the backward under fp16 autocast, after the forward ran):
+    there the sum is made in float32 and cast back, as torch's half index_add accumulates in float."""
+    attrs = {"axis": axis, "reduction": "add"}
+    if base.dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        return g.op("ScatterElements", [base, idx, updates], attrs, dtype=base.dtype, shape=shape)
+    f32 = ir.DataType.FLOAT
+    out = g.op("ScatterElements", [g.op("Cast", [base], {"to": int(f32)}, dtype=f32), idx,
+                                   g.op("Cast", [updates], {"to": int(f32)}, dtype=f32)], attrs, dtype=f32, shape=shape)
+    return g.op("Cast", [out], {"to": int(base.dtype)}, dtype=base.dtype, shape=shape)
 
 
 @register("GatherElements")
@@ -184,9 +197,7 @@ def gather_elements_grad(g: GradBuilder, node: ir.Node, dys):
     r = rank_of(data, "GatherElements data")
     axis = norm_axis(attr(node, "axis", 0), r)
     idx = nonneg_indices(g, indices, dim_of(g, data, axis))
-    attrs = {"axis": axis, "reduction": "add"}
-    dx = g.op("ScatterElements", [zeros_like(g, data), idx, dys[0]], attrs, dtype=data.dtype)
-    return [dx, None]
+    return [scatter_elements_add(g, zeros_like(g, data), idx, dys[0], axis), None]
 
 
 def _full_nd_indices(g: GradBuilder, data: ir.Value, indices: ir.Value, batch_dims: int) -> ir.Value:

@@ -9,6 +9,7 @@ from ...runtime.torch_nodes import Arg
 from ..registry import GradBuilder, attr, register, static_shape
 from .aten import aten_kernels
 from .conv import WindowGeometry, window_adjoint, window_geometry
+from .indexing import scatter_elements_add
 
 
 def _zeros_flat(g: GradBuilder, x: ir.Value) -> ir.Value:
@@ -80,8 +81,7 @@ def max_pool_grad(g: GradBuilder, node: ir.Node, dys):
         return [g.op("MaxUnpool", [dy, indices, shape], unpool_attrs, dtype=x.dtype, shape=x.shape)]
     flat_idx = g.op("Reshape", [indices, g.ints([-1])], dtype=ir.DataType.INT64)
     flat_dy = g.op("Reshape", [dy, g.ints([-1])], dtype=dy.dtype)
-    dx = g.op("ScatterElements", [_zeros_flat(g, x), flat_idx, flat_dy], {"axis": 0, "reduction": "add"},
-              dtype=x.dtype)
+    dx = scatter_elements_add(g, _zeros_flat(g, x), flat_idx, flat_dy, 0)
     return [g.reshape_like(dx, x)]
 
 
