@@ -228,7 +228,7 @@ def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=F
         # every gradient 1e-4..10% off). The row is zeroed after the product, at the output's
         # [.., L, D] size, from the mask at its own (broadcast) size; the finite fill keeps those
         # rows' weights finite, and exp(min - max) is 0 as exp(-inf) is for the other rows.
-        lowest = torch.finfo(scores.dtype).min
+        lowest = torch.finfo(scores.dtype).min / 2  # half the range: fill + score stays finite in fp16
         if attn_mask.dtype == torch.bool:
             allowed = attn_mask
             attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill(~attn_mask, lowest)
