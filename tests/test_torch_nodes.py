@@ -528,3 +528,41 @@ def test_ops_torch_onnx_cannot_translate_run_as_torch_nodes():
     report = explain(Untranslatable(), batches[0][0])
     assert {t.what for t in report.torch_nodes} == {"aten::amax.default", "aten::median.dim", "aten::cummax.default"}
     assert all("torch.onnx cannot translate" in t.reason for t in report.torch_nodes), report
+
+
+class ScaleInPlace(torch.autograd.Function):
+    """A Function that writes its input in place and says so (``ctx.mark_dirty``), as memory-saving
+    activations do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2.0)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+class DirtyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(ScaleInPlace.apply(self.a(x))))  # linear does not save its output
+
+
+def test_a_function_writing_its_input_in_place_runs_as_a_torch_node():
+    """NOTE [dirty inputs]: the torch node gave the Function the leaf that collects its input's gradient,
+    and autograd refused the in-place write ('a leaf Variable that requires grad has been used in an
+    in-place operation'): the forward raised. Seen writing during the capture, it now gets a copy."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)) for _ in range(3)]
+    om = train_side_by_side(DirtyNet(), batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=1e-5, steps=3,
+                            kwargs_fn=lambda b: {"x": b[0]})
+    assert om.stats.fallbacks == 0 and om.stats.torch_nodes == 1
+    with torch.no_grad():  # the inference graph runs the node too
+        assert_close(om(batches[0][0]), om.module(batches[0][0]), 1e-6, "no_grad output")

@@ -41,6 +41,7 @@ class TorchCall:
     where: str = ""  # the user's line or the torch module path
     n_outputs: int = 0  # known once the capture ran it (on fake tensors)
     single: bool = True  # fn returns one tensor, not a tuple
+    writes_inputs: bool = False  # NOTE [dirty inputs]: it writes an input in place (ctx.mark_dirty)
     # NOTE [torch node autocast]: a torch node runs with autocast off, as the capture ran it: its
     # kernel runs below the Autocast key (measured: a matmul inside a Function came out fp32 in the
     # capture under fp16 autocast), and the graph holds the casts of everything around it. A custom
@@ -111,8 +112,10 @@ def define_torch_call_op() -> None:
 
         def fake(xs, key):
             call = lookup_call(key)
+            versions = [t._version for t in xs]
             with torch._C.DisableTorchFunction(), torch.no_grad():  # no capture-time modes inside
                 outs, call.single = _invoke(call, xs)
+            call.writes_inputs = call.writes_inputs or any(t._version != v for t, v in zip(xs, versions))
             call.n_outputs = len(outs)
             # an output may not alias an input or another output: the op's schema says it returns new tensors
             return [t.clone() for t in outs]
@@ -129,14 +132,28 @@ def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs
     call = lookup_call(key)
     if state is None or not grad_inputs:
         with torch.no_grad(), _autocast_for(call, inputs):
-            return _detached(_invoke(call, inputs)[0])
+            args = [t.clone() for t in inputs] if call.writes_inputs else inputs  # NOTE [dirty inputs]
+            return _detached(_invoke(call, args)[0])
     leaves = list(inputs)
     for i in grad_inputs:
         leaves[i] = inputs[i].detach().requires_grad_(True)
-    with torch.enable_grad(), _autocast_for(call, inputs):
-        outs, _ = _invoke(call, leaves)
+    # NOTE [dirty inputs]: a Function that writes its input in place (``x.mul_(2); ctx.mark_dirty(x)``)
+    # cannot write the leaf that collects its input's gradient (autograd refuses, after the kernel
+    # wrote it): such a call, seen writing during the capture, gets copies whose gradient reaches the
+    # leaves (the copy costs what the input weighs).
+    with torch.enable_grad(), _autocast_for(call, inputs):  # (ORTFunction.forward runs without grad)
+        args = _writable(leaves, grad_inputs) if call.writes_inputs else leaves
+        outs, _ = _invoke(call, args)
     state[name] = ([leaves[i] for i in grad_inputs], outs)
     return _detached(outs)
+
+
+def _writable(leaves: list[torch.Tensor], grad_inputs: Sequence[int]) -> list[torch.Tensor]:
+    """The leaves at ``grad_inputs`` as non-leaf copies (their gradient still reaches the leaves)."""
+    args = list(leaves)
+    for i in grad_inputs:
+        args[i] = leaves[i].clone()
+    return args
 
 
 def _autocast_for(call: TorchCall, inputs: Sequence[torch.Tensor]):
