@@ -37,6 +37,7 @@ from .verify import Verification
 
 _CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, type(...))
 _FALLBACK = object()  # cache marker: this signature runs eagerly
+_ORT_RUN_FAILURE = "Non-zero status code returned while running"  # onnxruntime's message for a failed node
 
 
 @dataclasses.dataclass
@@ -346,14 +347,24 @@ class ORTModule(nn.Module):
         masks = [spec.draw(device, flat.tensors) for spec in exported.masks]
         tensors = [*flat.tensors, *params, *buffers, *masks]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
-        if needs_grad:
-            outs = ORTFunction.apply(entry, names, mutated, *tensors)
-        else:
-            feeds = {n: t.detach() for n, t in zip(names, tensors)}
-            results = entry.inference.run(feeds)
-            n_user = exported.num_user_outputs
-            write_back(mutated, results[n_user:])
-            outs = results[:n_user]
+        try:
+            if needs_grad:
+                outs = ORTFunction.apply(entry, names, mutated, *tensors)
+            else:
+                feeds = {n: t.detach() for n, t in zip(names, tensors)}
+                results = entry.inference.run(feeds)
+                n_user = exported.num_user_outputs
+                write_back(mutated, results[n_user:])
+                outs = results[:n_user]
+        except RuntimeError as exc:
+            if _ORT_RUN_FAILURE not in str(exc):
+                raise
+            # NOTE [run errors]: an input the graph cannot take (an index out of range) fails inside
+            # onnxruntime, with its node's message. Eager's own error names the user's line: the
+            # eager forward runs on the same inputs and raises it. If eager runs, the failure is
+            # ortmodule's and is raised as it is.
+            module(*args, **kwargs)
+            raise
         result = exported.output_spec.rebuild(outs, flat.tensors)
         if check is not None:
             try:

@@ -875,6 +875,23 @@ def test_bad_input_raises_eager_error_and_module_keeps_working(bad):
     assert wrapped.stats.fallbacks == 0
 
 
+@pytest.mark.parametrize("ids", [[[1, 12, 3]], [[1, -1, 3]]], ids=["past_the_end", "negative"])
+def test_token_id_out_of_range_raises_eagers_index_error(ids):
+    """NOTE [run errors], [negative ids]: past the end, onnxruntime's Gather failed with its node's message;
+    -1 it read as the last row, where eager raises. Both now raise eager's IndexError, and the module
+    keeps training (forward and no_grad alike)."""
+    eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 2))))
+    good = torch.tensor([[4, 5, 6]])
+    wrapped(good).sum().backward()
+    bad = torch.tensor(ids)
+    e, o = _same_error(eager, wrapped, bad)
+    assert isinstance(o, IndexError) and str(o) == str(e)
+    with torch.no_grad():
+        _same_error(eager, wrapped, bad)
+    assert_close(wrapped(good), eager(good), 1e-6, "output after the error")
+    assert wrapped.stats.fallbacks == 0
+
+
 def test_empty_batch():
     eager, wrapped = both(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))))
     x = torch.randn(0, 4)

@@ -502,6 +502,13 @@ class _Base(TorchFunctionMode):
         names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
         b = dict(zip(names, args))
         b.update(kwargs)
+        idx = b["input"]
+        if isinstance(idx, torch.Tensor) and not idx.is_floating_point():
+            # NOTE [negative ids]: ONNX Gather reads -1 as the last row, torch's embedding raises
+            # IndexError: a negative id is moved out of range, so the run fails as eager does.
+            far = 1 << (30 if idx.dtype == torch.int32 else 40)
+            idx = torch.where(idx < 0, idx + far, idx)
+            args, kwargs = (idx, *args[1:]) if args else args, {**kwargs, "input": idx} if "input" in kwargs else kwargs
         out = func(*args, **kwargs)
         padding_idx = b.get("padding_idx")
         if padding_idx is None or not torch.is_grad_enabled():
