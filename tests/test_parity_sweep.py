@@ -17,8 +17,6 @@ from torch import nn
 
 from ortmodule import ORTModule
 
-from .helpers import TORCH_EXPORT
-
 
 def _inputs() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -231,10 +229,6 @@ CASES = {
     "inv": ("X2", lambda x: torch.linalg.inv(x.view(4, 16, 16)[:, :3, :3] + torch.eye(3) * 3)),
 }
 
-# Known: the TorchScript front end, which has no torch nodes, writes cosine similarity with a sqrt
-# whose gradient at a zero vector is NaN (the torch.export front end follows torch's composite).
-_TS_KNOWN = {"cosine_sim_zero": "TorchScript's cosine_similarity has NaN gradients at zero vectors"}
-
 
 class _Wrap(nn.Module):
     def __init__(self, fn) -> None:
@@ -248,8 +242,6 @@ class _Wrap(nn.Module):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_output_and_gradients_match_eager(case):
-    if not TORCH_EXPORT and case in _TS_KNOWN:
-        pytest.xfail(_TS_KNOWN[case])
     kind, fn = CASES[case]
     x = _inputs()[kind]
     model = _Wrap(fn)

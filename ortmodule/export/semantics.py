@@ -456,6 +456,16 @@ class _Base(TorchFunctionMode):
                 raise UnsupportedTrace(  # NOTE [as torch] (torch_calls.py)
                     f"{getattr(func, '__name__', func)} at {user_location()} under the TorchScript front end: {why}, "
                     "so the result would differ from eager; the torch.export front end (the default) runs it in torch")
+        if func in (F.cosine_similarity, torch.cosine_similarity) and self.watch is not None and self.watch.jit:
+            # NOTE [cosine at zero]: the TorchScript exporter writes x1.x2 / max(sqrt(|x1|^2 |x2|^2), eps),
+            # whose sqrt has an infinite gradient at a zero vector (NaN gradients where eager's are 0);
+            # written as torch's own decomposition (torch.export's): each norm clamped to eps.
+            b = dict(zip(("x1", "x2", "dim", "eps"), args))
+            b.update(kwargs)
+            dim, eps = b.get("dim", 1), b.get("eps", 1e-8)
+            n1 = torch.linalg.vector_norm(b["x1"], 2, dim, keepdim=True).clamp(min=eps)
+            n2 = torch.linalg.vector_norm(b["x2"], 2, dim, keepdim=True).clamp(min=eps)
+            return ((b["x1"] / n1) * (b["x2"] / n2)).sum(dim)
         if func is F.logsigmoid:
             # NOTE [stable logsigmoid]: both exporters write log(sigmoid(x)), -inf below x ~ -104
             # where torch's value is ~x (DPO's loss, negative sampling): written as -softplus(-x).
