@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ortmodule import ORTModule
+
+from .test_ties import Edge
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -230,21 +231,11 @@ CASES = {
 }
 
 
-class _Wrap(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-        self.scale = nn.Parameter(torch.ones(()))  # exactly 1: the inputs reach fn unchanged
-
-    def forward(self, x):
-        return self.fn(x * self.scale)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_output_and_gradients_match_eager(case):
     kind, fn = CASES[case]
     x = _inputs()[kind]
-    model = _Wrap(fn)
+    model = Edge(fn)  # fn(x * scale), scale exactly 1
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
     results = []
     for m in (eager, wrapped):

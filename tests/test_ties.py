@@ -25,6 +25,17 @@ def _grid(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(-16, 17, shape, generator=g).float() / 2
 
 
+def _step_both(eager: nn.Module, wrapped: nn.Module, x: torch.Tensor, w: torch.Tensor) -> list[tuple]:
+    """(output, x.grad, scale.grad) of one forward and backward of ``sum(model(x) * w)``, per model."""
+    results = []
+    for m in (eager, wrapped):
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        (y * w).sum().backward()
+        results.append((y.detach(), xx.grad, m.scale.grad))
+    return results
+
+
 CASES = {
     # fn(x, lo, hi) -> tensor; lo/hi: tensor bounds on the grid (for clamp)
     "relu6": lambda x, lo, hi: F.relu6(x),
@@ -66,13 +77,7 @@ def test_gradient_at_ties_and_kinks_matches_eager(case):
     w = torch.randn(CASES[case](x, x[0], x[0]).shape, generator=torch.Generator().manual_seed(3))
     model = AtKinks(CASES[case])
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
-    results = []
-    for m in (eager, wrapped):
-        xx = x.clone().requires_grad_()
-        y = m(xx)
-        (y * w).sum().backward()
-        results.append((y.detach(), xx.grad, m.scale.grad))
-    (ye, gxe, gse), (yo, gxo, gso) = results
+    (ye, gxe, gse), (yo, gxo, gso) = _step_both(eager, wrapped, x, w)
     assert_close(yo, ye, 1e-6, "output")
     assert torch.isfinite(gxe).all()
     assert_close(gxo, gxe, 1e-6, "x.grad", atol=1e-6)  # elementwise: a tie sent elsewhere is off by O(1)
@@ -171,13 +176,7 @@ def test_values_and_gradients_at_zeros_and_extremes_match_eager(case):
             wrapped(x)
         return
     w = torch.randn(model(x).shape, generator=torch.Generator().manual_seed(3))
-    results = []
-    for m in (eager, wrapped):
-        xx = x.clone().requires_grad_()
-        y = m(xx)
-        (y * w).sum().backward()
-        results.append((y.detach(), xx.grad, m.scale.grad))
-    (ye, gxe, gse), (yo, gxo, gso) = results
+    (ye, gxe, gse), (yo, gxo, gso) = _step_both(eager, wrapped, x, w)
     assert torch.isfinite(ye).all() and torch.isfinite(gxe).all()
     assert_close(yo, ye, 1e-6, "output")
     assert_close(gxo, gxe, 1e-5, "x.grad", atol=1e-5)

@@ -856,19 +856,19 @@ def _translate_or_call(ep, name: str, n_user: int, param_names, buffer_names, to
     """:func:`_translate`; with ``torch_nodes``, a node torch.onnx fails to translate (torchlib has no
     form for its arguments: ``amax`` over every dim, ``median.dim``, ``cummax``) runs in torch and the
     program is translated again, instead of the whole model falling back (NOTE [torch nodes])."""
-    for _ in range(_MAX_UNTRANSLATED):
+    for attempt in range(_MAX_UNTRANSLATED + 1):
         try:
             return _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
         except ExportError as exc:
             match = _UNTRANSLATED.search(str(exc.__cause__ or ""))
-            if not torch_nodes or match is None:
+            if not torch_nodes or match is None or attempt == _MAX_UNTRANSLATED:
                 raise
             node = next((n for n in ep.graph.nodes if n.name == match.group(1)), None)
             what = getattr(getattr(node, "target", None), "__name__", match.group(1))
             reason = f"torch.onnx cannot translate {what} ({type(exc.__cause__).__name__})"
             if not to_torch_calls(ep, {match.group(1): reason}):
                 raise
-    return _translate(ep, onnx_registry(_program_targets(ep)), name, n_user, param_names, buffer_names)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) -> onnx.ModelProto:

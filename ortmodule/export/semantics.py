@@ -518,7 +518,10 @@ class _Base(TorchFunctionMode):
             # IndexError: a negative id is moved out of range, so the run fails as eager does.
             far = 1 << (30 if idx.dtype == torch.int32 else 40)
             idx = torch.where(idx < 0, idx + far, idx)
-            args, kwargs = (idx, *args[1:]) if args else args, {**kwargs, "input": idx} if "input" in kwargs else kwargs
+            if args:
+                args = (idx, *args[1:])
+            else:
+                kwargs = {**kwargs, "input": idx}
         out = func(*args, **kwargs)
         padding_idx = b.get("padding_idx")
         if padding_idx is None or not torch.is_grad_enabled():

@@ -143,7 +143,6 @@ _AS_TORCH = {
     "scatter_reduce": lambda node: (f"scatter_reduce '{_reduce_arg(node)}' has no exact ONNX form"
                                     if _reduce_arg(node) != "sum" else None),
 }
-TORCH_ONLY = frozenset(_AS_TORCH)  # for the TorchScript front end's refusal (semantics.py)
 
 
 def torch_only_nodes(ep) -> dict[str, str]:
