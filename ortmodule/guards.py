@@ -13,14 +13,18 @@
 # with a grad_fn (a loss stored on the model between steps). A plain object, dict or list held by a
 # module with at most 256 entries counts by its atomic entries too (NOTE [config guards]:
 # ``model.config.output_hidden_states = True`` after the first call was served by the stale graph).
-# Not seen: entries of bigger containers, nested objects, globals, methods patched on the class.
+# Globals count too (NOTE [global guards]). Not seen: entries of bigger containers, nested objects,
+# attributes of imported modules (``cfg.FLAG``), methods patched on the class.
 # Parameters and buffers are bound afresh on every call and their names/specs are in the signature;
 # train/eval flags are in the signature too, so switching back and forth keeps both graphs.
 """
 
 from __future__ import annotations
 
+import dis
 import enum
+import inspect
+import types
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ _SKIP = frozenset({
 
 
 _SMALL = 256
+_MISSING = object()
 
 
 def _atomic(v: Any) -> bool:
@@ -92,20 +97,96 @@ def atomic_attributes(module: nn.Module) -> dict[tuple[int, str], Any]:
             if k not in _SKIP and _atomic(v)}
 
 
+# NOTE [global guards]: a forward that reads a module-level global (``if USE_FAST:``, ``x * SCALE``,
+# ``CONFIG["dropout"]``) has the value of the traced call in its graph; setting the global later
+# changed eager's result and not the graph's. The globals the forward can read are found once per
+# set of module classes by walking the bytecode of each class's ``forward`` (through decorators'
+# ``__wrapped__``), the methods it names and the plain functions it calls, to a bounded depth
+# (torch's own code is skipped); their values (atomic, or a small plain dict/list by content) join
+# the module snapshot, so a changed global drops the graphs like a changed attribute. Globals
+# holding other objects (modules, loggers, classes) are not read: they are not flags.
+_GLOBAL_READS: dict[frozenset, tuple] = {}
+_UNSET = "<unset global>"
+_MAX_CALL_DEPTH = 3
+
+
+def _own_code(fn) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return not module.startswith(("torch.", "ortmodule.")) and module != "torch"
+
+
+def _global_names(fn, cls: type | None, depth: int, found: dict, seen: set) -> None:
+    """Collect into ``found`` the (globals dict, name) pairs ``fn`` and what it calls may read."""
+    for f in {fn, inspect.unwrap(fn)}:
+        code = getattr(f, "__code__", None)
+        if code is None or code in seen or not _own_code(f):
+            continue
+        seen.add(code)
+        g = f.__globals__
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            for ins in dis.get_instructions(c):
+                if ins.opname == "LOAD_GLOBAL":
+                    v = g.get(ins.argval, _MISSING)
+                    if isinstance(v, types.FunctionType):
+                        if depth < _MAX_CALL_DEPTH:
+                            _global_names(v, None, depth + 1, found, seen)
+                    elif v is not _MISSING and (_atomic(v) or type(v) in (dict, list)):
+                        found[(id(g), ins.argval)] = (g, ins.argval)
+                elif cls is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and depth < _MAX_CALL_DEPTH:
+                    method = inspect.getattr_static(cls, ins.argval, None)
+                    method = getattr(method, "__func__", method)  # staticmethod / classmethod
+                    if isinstance(method, types.FunctionType):
+                        _global_names(method, cls, depth + 1, found, seen)
+
+
+def _global_reads(classes: frozenset) -> tuple:
+    reads = _GLOBAL_READS.get(classes)
+    if reads is None:
+        found: dict = {}
+        seen: set = set()
+        for cls in classes:
+            forward = inspect.getattr_static(cls, "forward", None)
+            if isinstance(forward, types.FunctionType):
+                _global_names(forward, cls, 0, found, seen)
+        reads = tuple(found.values())
+        _GLOBAL_READS[classes] = reads
+    return reads
+
+
+def _global_key(v: Any) -> Any:
+    if type(v) is dict:
+        return ("dict", tuple(v.items())) if len(v) <= _SMALL and all(_atomic(x) for x in v.values()) else ("id", id(v))
+    if type(v) is list:
+        return ("list", tuple(v)) if len(v) <= _SMALL and all(_atomic(x) for x in v) else ("id", id(v))
+    return v
+
+
+def global_values(module: nn.Module, classes: frozenset | None = None) -> tuple:
+    """NOTE [global guards]: ((module name, global name), value key) of each global the forward reads."""
+    if classes is None:
+        classes = frozenset(type(m) for m in module.modules())
+    return ("globals", tuple([((g.get("__name__"), name), _global_key(g.get(name, _UNSET)))
+                              for g, name in _global_reads(classes)]))
+
+
 def snapshot(module: nn.Module) -> tuple[tuple[bool, ...], tuple]:
     """(train/eval flag of every submodule, the guard key of NOTE [module guards]) in one walk."""
     modes = []
     keys = []
     seen: dict[int, tuple | None] = {}
+    classes = set()
     for m in module.modules():
         modes.append(m.training)
         keys.append(_module_key(m, seen))
+        classes.add(type(m))
+    keys.append(global_values(module, frozenset(classes)))
     keys.append((tuple(_nn_module._global_forward_hooks), tuple(_nn_module._global_forward_pre_hooks),
                  tuple(_nn_module._global_backward_hooks), tuple(_nn_module._global_backward_pre_hooks)))
     return tuple(modes), tuple(keys)
 
-
-_MISSING = object()
 
 
 def find_change(module: nn.Module, old: tuple, new: tuple) -> str | None:
@@ -121,6 +202,9 @@ def find_change(module: nn.Module, old: tuple, new: tuple) -> str | None:
             continue
         if len(a) == 4:
             return "the global module hooks"
+        if a[0] == "globals":
+            names = [f"{m}.{n}" for (m, n), v in a[1] if dict(b[1]).get((m, n), _MISSING) != v]
+            return f"global(s) {names} read by forward"
         where = names.get(b[0], "?")
         if a[0] != b[0]:
             return f"submodule {where!r} (replaced)"

@@ -55,7 +55,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 from torch.utils import _pytree as pytree
 
-from ..guards import _SKIP
+from ..guards import _SKIP, global_values
 from ..io import register_container
 from ..options import logger
 
@@ -235,6 +235,7 @@ def module_fingerprint(module: nn.Module) -> tuple:
         parts.append((name, _class_fp(type(m)), attrs, hooks))
     parts.append(tuple(_hook_fps(h) for h in (_nn_module._global_forward_hooks,
                                               _nn_module._global_forward_pre_hooks)))
+    parts.append(global_values(module))  # NOTE [global guards]
     return tuple(parts)
 
 
