@@ -14,6 +14,7 @@ from torch import nn
 from .autodiff.builder import differentiable_values
 from .autodiff.registry import lookup
 from .errors import MODULE_PATH_KEY
+from .export.semantics import MaskSpec
 from .export.torchscript import input_name
 from .io import flatten_inputs
 from .options import DebugOptions, FallbackPolicy, logger
@@ -60,6 +61,7 @@ class Explanation:
     ops: dict[str, int] = dataclasses.field(default_factory=dict)
     missing_rules: list[MissingRule] = dataclasses.field(default_factory=list)
     dropout_masks: int = 0
+    random_draws: int = 0  # other random tensors drawn by torch before each run (NOTE [random draws])
     mutated_buffers: list[str] = dataclasses.field(default_factory=list)
     needs_grad: bool = True
     falls_back: bool | None = None  # None: not run through the pipeline (built by hand)
@@ -95,6 +97,8 @@ class Explanation:
         lines.append("  ops: " + ", ".join(f"{k}x{v}" for k, v in sorted(self.ops.items())))
         if self.dropout_masks:
             lines.append(f"  dropout masks drawn by torch per step: {self.dropout_masks}")
+        if self.random_draws:
+            lines.append(f"  other random tensors drawn by torch per step: {self.random_draws}")
         if self.mutated_buffers:
             lines.append(f"  buffers updated each step: {', '.join(self.mutated_buffers)}")
         if self.missing_rules:
@@ -188,7 +192,8 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         torch_nodes=torch_nodes,
         ops=dict(ops),
         missing_rules=missing,
-        dropout_masks=len(exported.masks),
+        dropout_masks=sum(isinstance(s, MaskSpec) for s in exported.masks),
+        random_draws=sum(not isinstance(s, MaskSpec) for s in exported.masks),
         mutated_buffers=[buffer_names[i][0] for i in exported.mutated_buffers],
         needs_grad=needs_grad,
         falls_back=stats.fallbacks > 0,

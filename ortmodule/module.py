@@ -21,6 +21,7 @@ from torch import nn
 
 from .errors import CaptureError, ExportError, GradientRuleError, ORTModuleError, user_stacklevel
 from .export import export_module
+from .export.draws import python_random_watch
 from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
@@ -595,7 +596,8 @@ class ORTModule(nn.Module):
     def _run_export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool,
                     batch_only: bool = False) -> ExportedModel:
         t0 = time.perf_counter()
-        with self._autocast_for_export(sig, _device_of(flat.tensors, params)):
+        with python_random_watch(type(self.module).__name__), \
+                self._autocast_for_export(sig, _device_of(flat.tensors, params)):
             if self._options.frontend == "export":
                 exported = export_program(self.module, flat, params, param_names, buffers, buffer_names,
                                           dynamic=dynamic, batch_only=batch_only,

@@ -33,6 +33,7 @@ from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_locat
 from ..guards import atomic_attributes
 from ..io import FlatInputs
 from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
+from .draws import refuse_random_ops
 from .semantics import define_mask_op, mark_grad_kinds, mark_stop_gradients, masks_to_inputs
 from .torch_calls import nodes_without_rules, to_torch_calls, torch_only_nodes
 from .torchscript import (
@@ -51,7 +52,7 @@ _capture_lock = threading.RLock()
 _registry: dict | None = None
 
 
-def _custom_op(name: str, attrs: Sequence[str]):
+def _custom_op(name: str, attrs: Sequence[str], any_type: bool = False):
     import onnxscript
     from onnx.defs import OpSchema
 
@@ -61,7 +62,9 @@ def _custom_op(name: str, attrs: Sequence[str]):
         name, MASK_DOMAIN, 1,
         inputs=[OpSchema.FormalParameter("x", "T")],
         outputs=[OpSchema.FormalParameter("y", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"]
+                           + (["tensor(int64)", "tensor(int32)", "tensor(int16)", "tensor(int8)", "tensor(uint8)",
+                               "tensor(bool)"] if any_type else []), "")],
         attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in attrs],
     )
     return onnxscript.values.Op(onnxscript.values.Opset(MASK_DOMAIN, 1), name, schema)
@@ -75,11 +78,15 @@ def _custom_translations() -> dict:
             return _registry
         from onnxscript import opset20 as op
 
-        from .semantics import GRAD_KIND_OP, MASK_OP, STOP_GRADIENT_OP
+        from .semantics import GRAD_KIND_OP, MASK_OP, RANDOM_OP, STOP_GRADIENT_OP
 
         define_mask_op()
         mask_op, stop_op = _custom_op(MASK_OP, ["index"]), _custom_op(STOP_GRADIENT_OP, [])
         kind_op = _custom_op(GRAD_KIND_OP, ["kind"])
+        random_op = _custom_op(RANDOM_OP, ["index"], any_type=True)
+
+        def random_value(like, k: int):
+            return random_op(like, index=k)
 
         def grad_kind(x, kind: int):
             return kind_op(x, kind=kind)
@@ -184,6 +191,7 @@ def _custom_translations() -> dict:
             aten.__and__.Tensor: torchlib.aten_bitwise_and,
             aten.__or__.Tensor: torchlib.aten_bitwise_or,
             torch.ops.ortmodule.dropout_mask.default: dropout_mask,
+            torch.ops.ortmodule.random_value.default: random_value,
             torch.ops.ortmodule.stop_gradient.default: stop_gradient,
             torch.ops.ortmodule.grad_kind.default: grad_kind,
             aten.batch_norm.default: batch_norm,
@@ -483,6 +491,7 @@ def export_program(
     if torch_nodes and to_torch_calls(ep, nodes_without_rules(model)):
         model = _translate_or_call(ep, name, n_user, param_names, buffer_names, torch_nodes)
     masks_to_inputs(model, list(masks), mask_name, dynamic)
+    refuse_random_ops(model, name)
     mark_stop_gradients(model)
     mark_grad_kinds(model)
     for node in model.graph.node:

@@ -31,6 +31,7 @@ from ..autodiff.registry import GRAD_KIND_KEY
 from ..errors import ExportError, user_location
 from ..recompute import MASK_SCALE_KEY
 from ..runtime.torch_nodes import inside_call
+from .draws import RANDOM_FUNCS, RandomSpec, random_call
 from .traps import NOT_REWRITTEN, TraceWatch, UnsupportedTrace, is_inplace, rewrite, thread_value
 
 
@@ -46,9 +47,11 @@ class MaskSpec:
     dtype: torch.dtype
     p: float
     dims: tuple | None = None
-    # NOTE [mask layout]: eager draws ``empty_like(x).bernoulli_()``, whose values follow x's memory
-    # order (a transposed attention output, say); ``order`` lists x's dims from the outermost in
-    # memory, None when x is contiguous. The mask is drawn in that order, then permuted back.
+    # NOTE [mask layout]: eager draws ``empty_like(x).bernoulli_()``, which keeps x's strides (a
+    # transposed attention output, say), and a fill's values depend on them (normal_ takes another
+    # kernel on a non-contiguous tensor); ``order`` lists x's dims from the outermost in memory,
+    # None when x is contiguous. The draw fills a tensor of those strides (:func:`strided_empty`),
+    # the same call as eager's, then is made contiguous.
     order: tuple[int, ...] | None = None
 
     def draw(self, device: torch.device, inputs=()) -> torch.Tensor:
@@ -60,12 +63,8 @@ class MaskSpec:
         # float mask's bytes while it is alive from the forward to the backward; the graph computes
         # the scaled values ``Cast(mask) * scale`` with ``scale`` from the same division, so they are
         # bit-identical (``scale_value``), and the backward recomputes them (``recompute.py``).
-        physical = shape if self.order is None else [shape[d] for d in self.order]
-        mask = torch.empty(physical, dtype=self.dtype, device=device).bernoulli_(1.0 - self.p).bool()
-        if self.order is None:
-            return mask
-        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
-        return mask.permute(inverse).contiguous()
+        mask = strided_empty(shape, self.order, self.dtype, device).bernoulli_(1.0 - self.p).bool()
+        return mask if self.order is None else mask.contiguous()
 
     def scale_value(self) -> float:
         """What eager's ``div_(1 - p)`` makes of a kept element, in the mask's dtype (p = 1: eager
@@ -73,6 +72,15 @@ class MaskSpec:
         if self.p >= 1.0:
             return 0.0
         return float(torch.ones((), dtype=self.dtype).div_(1.0 - self.p))
+
+
+def strided_empty(shape, order, dtype, device) -> torch.Tensor:
+    """NOTE [mask layout]: an empty tensor of ``shape`` laid out densely in ``order`` (outermost dim
+    first; None: contiguous), as ``empty_like`` makes it of a template with those strides."""
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    physical = [shape[d] for d in order]
+    return torch.empty(physical, dtype=dtype, device=device).permute(sorted(range(len(order)), key=order.__getitem__))
 
 
 def _dropout_args(func, args, kwargs):
@@ -250,6 +258,7 @@ _DATA = torch._C.TensorBase.data  # the getset descriptor of ``Tensor.data``
 
 MASK_OP = "DropoutMask"
 MASK_DOMAIN = "ortmodule"
+RANDOM_OP = "RandomValue"  # NOTE [random draws] (draws.py)
 
 
 STOP_GRADIENT_OP = "StopGradient"
@@ -278,6 +287,8 @@ def define_mask_op() -> None:
     lib = torch.library.Library("ortmodule", "DEF")
     lib.define("dropout_mask(Tensor x, float p, int k) -> Tensor")
     lib.impl("dropout_mask", lambda x, p, k: torch.ones_like(x), "CompositeExplicitAutograd")
+    lib.define("random_value(Tensor like, int k) -> Tensor")
+    lib.impl("random_value", lambda like, k: like.clone(), "CompositeExplicitAutograd")
     lib.define("stop_gradient(Tensor x) -> Tensor")
     lib.impl("stop_gradient", lambda x: x.detach().clone(), "CompositeExplicitAutograd")
     lib.define("grad_kind(Tensor x, int kind) -> Tensor")
@@ -288,6 +299,11 @@ def define_mask_op() -> None:
         index = torch.onnx.symbolic_helper._get_const(k, "i", "k")
         out = g.op(f"{MASK_DOMAIN}::{MASK_OP}", x, index_i=index)
         out.setType(x.type())
+        return out
+
+    def random_symbolic(g, like, k):
+        out = g.op(f"{MASK_DOMAIN}::{RANDOM_OP}", like, index_i=torch.onnx.symbolic_helper._get_const(k, "i", "k"))
+        out.setType(like.type())
         return out
 
     def stop_symbolic(g, x):
@@ -301,6 +317,7 @@ def define_mask_op() -> None:
         return out
 
     torch.onnx.register_custom_op_symbolic("ortmodule::dropout_mask", mask_symbolic, 9)
+    torch.onnx.register_custom_op_symbolic("ortmodule::random_value", random_symbolic, 9)
     torch.onnx.register_custom_op_symbolic("ortmodule::stop_gradient", stop_symbolic, 9)
     torch.onnx.register_custom_op_symbolic("ortmodule::grad_kind", kind_symbolic, 9)
 
@@ -344,12 +361,14 @@ def stop_gradient(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.ortmodule.stop_gradient(x) if x.is_floating_point() else x
 
 
-_ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
+_ONNX_DTYPE = {torch.float32: 1, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16, torch.uint8: 2,
+               torch.int8: 3, torch.int16: 5, torch.int32: 6, torch.int64: 7, torch.bool: 9}
 
 
-def masks_to_inputs(model, masks: list[MaskSpec], input_name, dynamic: bool = False) -> None:
+def masks_to_inputs(model, masks: list, input_name, dynamic: bool = False) -> None:
     """Replace each ``ortmodule.DropoutMask`` node (index k) by the bool graph input ``input_name(k)``
-    and the nodes ``Cast(input) * scale`` (NOTE [bool masks]), tagged ``pkg.ortmodule.dropout_scale``."""
+    and the nodes ``Cast(input) * scale`` (NOTE [bool masks]), tagged ``pkg.ortmodule.dropout_scale``;
+    each ``ortmodule.RandomValue`` node by an Identity of its input (NOTE [random draws])."""
     import onnx
     from onnx import helper
 
@@ -372,6 +391,12 @@ def masks_to_inputs(model, masks: list[MaskSpec], input_name, dynamic: bool = Fa
             keep.extend(new)
             made.add(out)
             found.append(k)
+        elif node.domain == MASK_DOMAIN and node.op_type == RANDOM_OP:
+            k = next(a.i for a in node.attribute if a.name == "index")
+            same = helper.make_node("Identity", [input_name(k)], [node.output[0]], name=f"{node.output[0]}/draw")
+            same.metadata_props.extend(node.metadata_props)
+            keep.append(same)
+            found.append(k)
         else:
             keep.append(node)
     if not found:
@@ -379,7 +404,8 @@ def masks_to_inputs(model, masks: list[MaskSpec], input_name, dynamic: bool = Fa
     for k in sorted(found):
         spec = masks[k]
         shape = [f"dropout{k}_dim{d}" for d in range(len(spec.shape))] if dynamic else list(spec.shape)
-        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), onnx.TensorProto.BOOL, shape))
+        dtype = onnx.TensorProto.BOOL if isinstance(spec, MaskSpec) else _ONNX_DTYPE[spec.dtype]
+        graph.input.append(onnx.helper.make_tensor_value_info(input_name(k), dtype, shape))
     for out in graph.output:
         if out.name in made:
             raise ValueError("a dropout mask cannot be a graph output")
@@ -414,6 +440,8 @@ class _Base(TorchFunctionMode):
             out = rewrite(func, args, kwargs)
             if out is not NOT_REWRITTEN:
                 return out
+        if func in RANDOM_FUNCS and self.watch is not None and not inside_call():
+            return random_call(self, func, args, kwargs)  # NOTE [random draws]
         if func is _F_DROPOUT:
             return self.dropout_call(args, kwargs)
         if func in _FEATURE_DROPOUTS:
@@ -687,6 +715,23 @@ class ExportSemantics(_Base):
         self.masks.append(MaskSpec(tuple(_hint(d) for d in like.shape), x.dtype, p,
                                    order=None if keep else _memory_order(x)))
         return x * torch.ops.ortmodule.dropout_mask(like, p, k)  # the mask holds 0 or 1 / (1 - p)
+
+    def random_draw(self, sizes, dtype, fill, params, device, order):
+        """A placeholder for one random draw, made before each run (NOTE [random draws])."""
+        if self.watch is not None:
+            self.watch.random_draws += 1
+        k = len(self.masks)
+        sizes = tuple(sizes)
+        self.mask_sizes.append(sizes)
+        where = None if device is None else str(torch.device(device))
+        self.masks.append(RandomSpec(tuple(_hint(d) for d in sizes), dtype, fill, tuple(params), where, order=order))
+        if fill == "randperm":  # a real permutation and in-range values: the TorchScript tracer runs on them
+            like = torch.arange(sizes[0], dtype=dtype, device=device)
+        elif fill == "random_" and params:
+            like = torch.full(sizes, params[0] if len(params) > 1 else 0, dtype=dtype, device=device)
+        else:
+            like = torch.zeros(sizes, dtype=dtype, device=device)
+        return torch.ops.ortmodule.random_value(like, k)
 
     def _batch_norm_export(self, func, x, rm, rv, b, dims, n):
         """torch.export: the running statistics are new values (NOTE [buffer writes]), and the

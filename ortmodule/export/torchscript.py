@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import MODULE_PATH_KEY, ExportError, module_path_from_scope
 from ..io import FlatInputs, OutputSpec, flatten_outputs, holds_tensors
+from .draws import refuse_random_ops
 from .semantics import (
     ExportSemantics,
     MaskSpec,
@@ -258,6 +259,7 @@ def export_module(
     model = onnx.load_from_string(buf.getvalue())
     masks = tuple(wrapper.semantics.masks) if wrapper.semantics is not None else ()
     masks_to_inputs(model, list(masks), mask_name, dynamic)
+    refuse_random_ops(model, type(module).__name__)
     mark_stop_gradients(model)
     mark_grad_kinds(model)
     for node in model.graph.node:

@@ -178,6 +178,9 @@ class TraceWatch:
                 result = max(result, CONSTANT if sized else VALUE)  # parameter shapes are in the signature
                 continue
             node = v.node()
+            if node.kind() in ("ortmodule::random_value", "ortmodule::dropout_mask") and not sized:
+                result = VALUE  # NOTE [random draws]: a drawn value is data, whatever the placeholder holds
+                continue
             if node.kind() in ("aten::size", "aten::numel", "aten::sym_size"):
                 stack.extend((u, True) for u in list(node.inputs())[:1])
             else:
