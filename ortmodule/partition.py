@@ -363,6 +363,7 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         "ortmodule_backward",
     )
     backward.graph.node.extend(extra_nodes)
+    _first_gradient_in_place(backward, len(extra_nodes))
     gate_groups(backward, plan.gates)  # NOTE [recompute order]
     # The recomputed views keep their known shapes (the backward passes read them).
     backward.graph.value_info.extend(_value_info(o) for n in views for o in n.outputs if o.dtype is not None)
@@ -384,3 +385,24 @@ def build_training_graphs(exported: ExportedModel, requires_grad: dict[str, bool
         target_outputs=[reached[t] for t, _ in targets],
         recompute=plan,
     )
+
+
+def _first_gradient_in_place(backward: onnx.ModelProto, n_identities: int) -> None:
+    """NOTE [node order]: the first target's Identity is walked last, so its producer can write the
+    graph output itself without changing onnxruntime's node order; that spares a copy of what is
+    usually the largest gradient (the word embedding's)."""
+    if not n_identities:
+        return
+    nodes = backward.graph.node
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in nodes for a in n.attribute):
+        return  # a subgraph may read the value by its name
+    first = nodes[len(nodes) - n_identities]
+    src, dst = first.input[0], first.output[0]
+    producers = [n for n in nodes if src in n.output]
+    uses = sum(list(n.input).count(src) for n in nodes)
+    if (len(producers) != 1 or uses != 1 or any(o.name == src for o in backward.graph.output)
+            or any(i.name == src for i in backward.graph.input)):
+        return
+    out = producers[0].output
+    out[list(out).index(src)] = dst
+    nodes.remove(first)
