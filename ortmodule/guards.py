@@ -97,6 +97,22 @@ def atomic_attributes(module: nn.Module) -> dict[tuple[int, str], Any]:
             if k not in _SKIP and _atomic(v)}
 
 
+def put_back_attributes(module: nn.Module, attrs: dict[tuple[int, str], Any]) -> None:
+    """Set the plain attributes of ``module`` back to ``attrs`` (an :func:`atomic_attributes` of it),
+    removing the ones added since (NOTE [side effects]: a trace whose writes must not count)."""
+    now = atomic_attributes(module)
+    if now == attrs:
+        return
+    modules = list(module.modules())
+    for key in now.keys() - attrs.keys():
+        i, name = key
+        if i < len(modules) and name in modules[i].__dict__:
+            delattr(modules[i], name)
+    for (i, name), value in attrs.items():
+        if i < len(modules) and ((i, name) not in now or now[(i, name)] is not value):
+            setattr(modules[i], name, value)
+
+
 # NOTE [global guards]: a forward that reads a module-level global (``if USE_FAST:``, ``x * SCALE``,
 # ``CONFIG["dropout"]``) has the value of the traced call in its graph; setting the global later
 # changed eager's result and not the graph's. The globals the forward can read are found once per

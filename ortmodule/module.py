@@ -26,7 +26,7 @@ from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
-from .guards import atomic_attributes, find_change, snapshot
+from .guards import atomic_attributes, find_change, put_back_attributes, snapshot
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
 from .runtime import disk_cache
@@ -120,7 +120,8 @@ class ORTModule(nn.Module):
 
     # NOTE [own attributes]: every other attribute set on the wrapper goes to the wrapped module.
     _own_attrs = frozenset({"_original_module", "_entries", "_built", "_exports", "_dynamic", "_first_seen", "_stats",
-                            "_options", "_lock", "_warned", "_guard", "_exported_guard"})
+                            "_options", "_lock", "_warned", "_guard", "_exported_guard", "_call",
+                            "_recheck"})
 
     def __init__(
         self,
@@ -176,6 +177,9 @@ class ORTModule(nn.Module):
         self._stats = Stats()
         self._lock = threading.RLock()
         self._warned: set[str] = set()
+        # NOTE [side effects]: the module's plain attributes when this call's export began, and the
+        # traces run since (an object: ints here would be counted as the module's own counters)
+        self._call: _CallTraces | None = None
         self._recheck: set = set()  # signatures whose trace changed module attributes (NOTE [side effects])
         self._guard: tuple | None = None  # NOTE [module guards]: the last call's snapshot
         self._exported_guard: tuple | None = None  # ... and the one the compiled graphs stand for
@@ -301,8 +305,17 @@ class ORTModule(nn.Module):
             fresh = entry is None  # verify mode checks a new graph's first call (ortmodule/verify.py)
             if entry is None:
                 attrs = atomic_attributes(module)
-                entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
-                                                  needs_grad)
+                self._call = _CallTraces(attrs)
+                try:
+                    entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
+                                                      needs_grad)
+                except BaseException:
+                    put_back_attributes(module, attrs)  # nothing ran: nothing was written
+                    raise
+                finally:
+                    self._call = None
+                if isinstance(entry, ORTModuleError):
+                    put_back_attributes(module, attrs)  # the eager forward below makes the writes, once
                 if not isinstance(entry, ORTModuleError):
                     self._stats.cache_misses += 1  # counted once built or fallen back: a call that raised is none
                     self._entries.put(sig, entry)
@@ -596,6 +609,10 @@ class ORTModule(nn.Module):
     def _run_export(self, sig, flat, params, param_names, buffers, buffer_names, *, dynamic: bool,
                     batch_only: bool = False) -> ExportedModel:
         t0 = time.perf_counter()
+        if self._call is not None:  # NOTE [side effects]: a call's trace writes once
+            if self._call.traces:
+                put_back_attributes(self.module, self._call.attrs)
+            self._call.traces += 1
         with python_random_watch(type(self.module).__name__), \
                 self._autocast_for_export(sig, _device_of(flat.tensors, params)):
             if self._options.frontend == "export":
@@ -660,6 +677,12 @@ _SHARDED_INSIDE = (
     "never run inside the ONNX Runtime graph. Apply ORTModule first, then fully_shard the wrapper "
     "(model = ORTModule(model); fully_shard(model)), or put the ORTModule inside an eager FSDP root"
 )
+
+
+@dataclasses.dataclass
+class _CallTraces:
+    attrs: dict
+    traces: int = 0
 
 
 def _counts(before: dict, after: dict) -> bool:

@@ -1080,3 +1080,19 @@ def test_an_output_object_holding_tensors_falls_back_naming_it():
         assert_close(y, ref_y, 1e-6, "y")
     assert om.stats.fallbacks == 1
     assert "_Box holding tensors" in om.stats.last_fallback_reason
+
+
+def test_the_wrapper_keeps_its_state_out_of_the_wrapped_module():
+    """ORTModule's bookkeeping (signatures to recheck, the export in progress) lives on the wrapper:
+    an attribute leaked into the user's module would be pickled with it and read as its own state."""
+    import torch
+    from torch import nn
+
+    from ortmodule import ORTModule
+
+    plain = nn.Linear(4, 4)
+    before = set(plain.__dict__)
+    wrapped = ORTModule(nn.Linear(4, 4))
+    for _ in range(2):
+        wrapped(torch.randn(3, 4)).sum().backward()
+    assert set(wrapped.module.__dict__) == before

@@ -257,3 +257,32 @@ def test_config_object_and_dict_attribute_changes_reexport():
     opts.module.opts["scale"] = 3.0
     assert_close(opts(x), torch.tanh(opts.module.lin(x) * 3.0), 1e-6, "after the dict changed")
     assert opts.stats.exports == 2
+
+
+class AnnealedFlatDropout(Annealed):
+    """Annealed, with a dropout mask sized by an expression of the batch size (B * 16): its dynamic
+    export is traced again as a static one within the same call."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return torch.nn.functional.dropout(y.reshape(-1), 0.1).reshape(y.shape)
+
+
+def test_counter_moves_once_when_a_call_traces_twice():
+    """NOTE [side effects]: an export traced again within one call (a dynamic graph refused, then a
+    static one) ran the forward's writes twice: the counter was a step ahead of eager from then on."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = AnnealedFlatDropout()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the counter's fallback warning
+        for call, batch in enumerate((32, 32, 48, 48, 64)):
+            x = torch.randn(batch, 16)
+            outs = []
+            for m in (eager, wrapped):
+                torch.manual_seed(call)
+                outs.append(m(x).detach())
+            assert wrapped.module.step == eager.step == call + 1, f"call {call}"
+            assert_close(outs[1], outs[0], 1e-6, f"output of call {call}")

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
-from ..guards import atomic_attributes
+from ..guards import atomic_attributes, put_back_attributes
 from ..io import FlatInputs
 from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
 from .draws import refuse_random_ops
@@ -483,6 +483,7 @@ def export_program(
     if dynamic:
         resolved = _mask_dims(wrapper.semantics, guard, n_user)
         if resolved is None:  # a mask sized by an expression of the input sizes: one graph per shape
+            wrapper.restore_module()  # NOTE [side effects]: traced again, its writes count once
             return export_program(module, flat, params, param_names, buffers, buffer_names, opset=opset,
                                   torch_nodes=torch_nodes)
         masks = resolved
@@ -553,19 +554,28 @@ class _Captured(_Flat):
         finally:
             after = atomic_attributes(module)
             writes = {k: v for k, v in after.items() if k not in before or before[k] != v}
-            self._sink({**{k: getattr(self, k) for k in self._KEPT}, "attribute_writes": writes})
+            self._sink({**{k: getattr(self, k) for k in self._KEPT}, "attribute_writes": writes,
+                        "attributes_before": before})
 
     def restore(self, writes: bool = True) -> None:
         """Put back what the forward learnt, and the plain attributes it wrote in the module (NOTE [side
         effects]: as the TorchScript trace leaves them, so that a counter's move is seen)."""
         record = self._read()
         written = record.pop("attribute_writes", {})
+        record.pop("attributes_before", None)
         for k, v in record.items():
             object.__setattr__(self, k, v)
         if writes and written:
             modules = list(getattr(self, WRAPPER_ATTR).modules())
             for (i, name), value in written.items():
                 setattr(modules[i], name, value)
+
+
+    def restore_module(self) -> None:
+        """Set the module's plain attributes back to what they were before the trace."""
+        before = self._read().get("attributes_before")
+        if before is not None:
+            put_back_attributes(getattr(self, WRAPPER_ATTR), before)
 
 
 def _reinfer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
