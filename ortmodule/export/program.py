@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
 from ..guards import atomic_attributes, put_back_attributes
 from ..io import FlatInputs
-from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op
+from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op, watch_draws
 from .draws import refuse_random_ops
 from .semantics import define_mask_op, mark_grad_kinds, mark_stop_gradients, masks_to_inputs
 from .torch_calls import nodes_without_rules, to_torch_calls, torch_only_nodes
@@ -452,7 +452,8 @@ def export_program(
         # NOTE [one capture at a time]: while torch.export traces, the module's parameters are fake
         # tensors and some torch functions are patched process-wide; captures are serialised, and
         # ORTModule.forward reads the module's state under its lock.
-        with _capture_lock, warnings.catch_warnings(), torch.enable_grad():
+        with _capture_lock, warnings.catch_warnings(), torch.enable_grad(), \
+                watch_draws(lambda: len(wrapper.semantics.masks)) as node_draws:
             warnings.simplefilter("ignore")
             ep = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
@@ -465,6 +466,7 @@ def export_program(
     trap = wrapper.watch.failure()
     if trap is not None:
         raise ExportError(f"{name}: {trap}")
+    _refuse_draws_before(node_draws, len(wrapper.semantics.masks), name)
     traced = _traced_files(ep)
     if wrapper.output_spec is None:
         raise ExportError(f"{name}.forward was not traced")
@@ -532,6 +534,18 @@ def _traced_files(ep) -> tuple[str, ...]:
         if trace:
             files.update(_FILE_RE.findall(trace))
     return tuple(sorted(f for f in files if not f.startswith("<")))
+
+
+def _refuse_draws_before(node_draws: list, n_draws: int, name: str) -> None:
+    """NOTE [draws in torch nodes]: a torch node that draws is in eager's order only when every draw
+    the graph makes before the run (a dropout mask, a ``rand_like``) comes before it in eager too."""
+    for call, before, op in node_draws:
+        if before < n_draws:
+            raise ExportError(
+                f"{name}: {call.what} at {call.where} draws random numbers ({op}) while it runs in torch, and "
+                f"the forward draws {n_draws - before} more after it (dropout masks, rand ...), which the graph "
+                "draws before the run: the streams would be swapped against eager's. Draw the numbers outside "
+                "the Function and pass them in (NOTE [draws in torch nodes])")
 
 
 class _Captured(_Flat):

@@ -18,10 +18,12 @@ an ATen op no ONNX translation or gradient rule covers), and their gradient node
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -76,6 +78,54 @@ def inside_call() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+# torch's random builtins, by name: what a torch node's Python code calls when it draws
+_RANDOM_BUILTINS = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+    "normal", "normal_", "uniform_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+    "multinomial", "poisson", "binomial", "dropout", "dropout_", "feature_dropout", "feature_dropout_",
+    "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
+    "rrelu", "rrelu_", "rrelu_with_noise",
+})
+
+
+@contextlib.contextmanager
+def _first_random_builtin() -> Iterator[list]:
+    """The names of torch's random builtins called meanwhile on this thread (a profile hook: the
+    capture runs a torch node on fake tensors inside a kernel, below every torch function and
+    dispatch mode, and fake tensors draw nothing)."""
+    seen: list = []
+    previous = sys.getprofile()
+
+    def hook(frame, event, arg):
+        if event == "c_call" and not seen and getattr(arg, "__name__", None) in _RANDOM_BUILTINS:
+            module = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__module__
+            if module is None or module.startswith("torch"):
+                seen.append(arg.__name__)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(hook)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
+
+@contextlib.contextmanager
+def watch_draws(count: Callable[[], int]) -> Iterator[list]:
+    """NOTE [draws in torch nodes]: the graph's own random inputs (dropout masks and draws, in eager
+    order; ``count()`` says how many the trace has met so far) are made before the run; a torch node that draws does
+    so during it. While a capture runs, each torch node is run once on fake tensors: the ones that
+    draw are listed as (call, how many graph draws came before it, the op), so the capture can refuse
+    a graph draw that eager makes after the node's."""
+    found: list = []
+    _local.draws = (count, found)
+    try:
+        yield found
+    finally:
+        _local.draws = None
+
+
 def _invoke(call: TorchCall, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
     """``call.fn(*tensors)`` as a list of tensors, and whether it returned one tensor (not a tuple)."""
     _local.depth = getattr(_local, "depth", 0) + 1
@@ -113,8 +163,12 @@ def define_torch_call_op() -> None:
         def fake(xs, key):
             call = lookup_call(key)
             versions = [t._version for t in xs]
-            with torch._C.DisableTorchFunction(), torch.no_grad():  # no capture-time modes inside
+            watch = getattr(_local, "draws", None)
+            random_calls = _first_random_builtin() if watch is not None else contextlib.nullcontext([])
+            with torch._C.DisableTorchFunction(), torch.no_grad(), random_calls as seen:  # no capture-time modes
                 outs, call.single = _invoke(call, xs)
+            if seen:
+                watch[1].append((call, watch[0](), seen[0]))
             call.writes_inputs = call.writes_inputs or any(t._version != v for t, v in zip(xs, versions))
             call.n_outputs = len(outs)
             # an output may not alias an input or another output: the op's schema says it returns new tensors
