@@ -584,7 +584,6 @@ class _Captured(_Flat):
             for (i, name), value in written.items():
                 setattr(modules[i], name, value)
 
-
     def restore_module(self) -> None:
         """Set the module's plain attributes back to what they were before the trace."""
         before = self._read().get("attributes_before")

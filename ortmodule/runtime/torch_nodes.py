@@ -98,8 +98,9 @@ def _first_random_builtin() -> Iterator[list]:
 
     def hook(frame, event, arg):
         if event == "c_call" and not seen and getattr(arg, "__name__", None) in _RANDOM_BUILTINS:
+            # torch.rand_like (module "torch"), Tensor.bernoulli_ (bound to a tensor); not random.random
             module = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__module__
-            if module is None or module.startswith("torch"):
+            if module.startswith("torch"):
                 seen.append(arg.__name__)
         if previous is not None:
             previous(frame, event, arg)
@@ -114,10 +115,11 @@ def _first_random_builtin() -> Iterator[list]:
 @contextlib.contextmanager
 def watch_draws(count: Callable[[], int]) -> Iterator[list]:
     """NOTE [draws in torch nodes]: the graph's own random inputs (dropout masks and draws, in eager
-    order; ``count()`` says how many the trace has met so far) are made before the run; a torch node that draws does
-    so during it. While a capture runs, each torch node is run once on fake tensors: the ones that
-    draw are listed as (call, how many graph draws came before it, the op), so the capture can refuse
-    a graph draw that eager makes after the node's."""
+    order; ``count()`` says how many the trace has met so far) are made before the run, and a torch
+    node that draws does so during it. While a capture runs, each torch node is run once on fake
+    tensors: the ones that draw are listed as (call, how many graph draws came before it, the op),
+    so the capture can refuse a graph draw that eager makes after the node's. A custom Function with
+    only draws before it in eager order keeps eager's stream."""
     found: list = []
     _local.draws = (count, found)
     try:
