@@ -22,7 +22,8 @@ from ortmodule.distributed import adasum_pair
 from . import dist_worker as W
 from .helpers import assert_close
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.processes]
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = WORKER.parent.parent

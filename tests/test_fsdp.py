@@ -25,7 +25,8 @@ from ortmodule import ORTModule
 from . import fsdp_worker as W
 from .helpers import TORCH_EXPORT, assert_close
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.processes]
 needs_export = pytest.mark.skipif(not TORCH_EXPORT, reason="FSDP needs the torch.export front end (tested below)")
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")

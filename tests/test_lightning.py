@@ -18,6 +18,8 @@ from ortmodule import ORTModule  # noqa: E402
 
 from .helpers import assert_close  # noqa: E402
 
+pytestmark = pytest.mark.processes  # each run starts its own processes: a CI step of its own
+
 WORKER = Path(__file__).with_name("lightning_worker.py")
 ROOT = WORKER.parent.parent
 
