@@ -257,7 +257,7 @@ def test_torch_seed_in_forward_falls_back_and_keeps_the_draws():
     model = SeedsItself()
     wrapped = ORTModule(copy.deepcopy(model))
     x = torch.randn(B, D)
-    with pytest.warns(UserWarning, match="torch's random state"):
+    with pytest.warns(UserWarning, match="forward calls torch.manual_seed"):
         torch.manual_seed(0)
         yo = wrapped(x)
     after_o = torch.rand(3)
@@ -268,6 +268,40 @@ def test_torch_seed_in_forward_falls_back_and_keeps_the_draws():
     assert torch.equal(after_o, after_e)  # the generator stands where eager leaves it
     assert torch.equal(wrapped(x), ye)
     assert wrapped.stats.fallbacks == 1
+
+
+class ForksTheGenerator(nn.Module):
+    """Draws inside ``torch.random.fork_rng``: the state is put back on exit, so only the call shows."""
+
+    def __init__(self, seeded: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.seeded = seeded
+
+    def forward(self, x):
+        with torch.random.fork_rng():
+            if self.seeded:
+                torch.manual_seed(7)  # fixed augmentation noise
+            look_ahead = torch.randn_like(x)  # must not move the stream
+        return self.lin(x + look_ahead) + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_fork_rng_in_forward_falls_back_and_keeps_the_draws(seeded):
+    """NOTE [python random]: eager draws the look-ahead from a forked state and then the next draw
+    from the state before it; the graph would draw both from the stream, one after the other."""
+    model = ForksTheGenerator(seeded)
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(B, D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            torch.manual_seed(step)
+            yo = wrapped(x)
+            torch.manual_seed(step)
+            assert torch.equal(yo, model(x)), f"step {step}"
+    assert wrapped.stats.fallbacks == 1
+    assert any("manual_seed" in str(w.message) or "set_rng_state" in str(w.message) for w in caught)
 
 
 SCALE = 2.0

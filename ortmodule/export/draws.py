@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import random
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -259,6 +260,44 @@ def _set_torch_states(states: list[torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(states[1:])
 
 
+# the functions that set a generator's state, by module (``torch.manual_seed is torch.random.manual_seed``)
+_RNG_SETTERS = (("torch", "manual_seed"), ("torch", "seed"), ("torch", "set_rng_state"),
+                ("torch.random", "manual_seed"), ("torch.random", "seed"), ("torch.random", "set_rng_state"),
+                ("torch.cuda", "manual_seed"), ("torch.cuda", "manual_seed_all"), ("torch.cuda", "seed"),
+                ("torch.cuda", "set_rng_state"), ("torch.cuda", "set_rng_state_all"))
+
+
+@contextlib.contextmanager
+def _rng_setter_calls() -> Iterator[list]:
+    """The torch generator setters this thread calls meanwhile (``fork_rng`` puts the state back on
+    exit, so a seed set inside it leaves no trace in the state itself)."""
+    calls: list = []
+    me = threading.get_ident()
+    patched = []
+    for modname, attr in _RNG_SETTERS:
+        module = sys.modules.get(modname)
+        fn = getattr(module, attr, None)
+        if fn is None:
+            continue
+
+        def setter(*args, _fn=fn, _name=f"{modname}.{attr}", **kwargs):
+            caller = sys._getframe(1)
+            # torch's own save-and-restore (torch.export's preserve_rng_state) is no call of the
+            # forward's; fork_rng is, on the forward's behalf
+            inside = caller.f_globals.get("__name__", "").startswith(("torch", "ortmodule"))
+            if threading.get_ident() == me and (not inside or caller.f_code.co_name == "fork_rng"):
+                calls.append(_name)
+            return _fn(*args, **kwargs)
+
+        patched.append((module, attr, fn))
+        setattr(module, attr, setter)
+    try:
+        yield calls
+    finally:
+        for module, attr, fn in patched:
+            setattr(module, attr, fn)
+
+
 @contextlib.contextmanager
 def python_random_watch(name: str) -> Iterator[None]:
     """NOTE [python random]: ``random.random()`` or ``np.random.rand()`` in forward runs once, in
@@ -271,10 +310,12 @@ def python_random_watch(name: str) -> Iterator[None]:
     for real, and the graph's draws would not follow it."""
     py, npy, tch = random.getstate(), _numpy_state(), _torch_states()
     try:
-        yield
+        with _rng_setter_calls() as setters:
+            yield
     finally:
         after = _torch_states()
-        torch_moved = len(after) != len(tch) or any(not torch.equal(a, b) for a, b in zip(tch, after))
+        torch_moved = bool(setters) or len(after) != len(tch) or any(
+            not torch.equal(a, b) for a, b in zip(tch, after))
         moved = [what for what, changed in (("random", random.getstate() != py),
                                             ("numpy.random", not _same_numpy_state(npy, _numpy_state())),
                                             ("torch", torch_moved))
@@ -289,8 +330,9 @@ def python_random_watch(name: str) -> Iterator[None]:
         from ..errors import ExportError
 
         if moved == ["torch"]:
+            what = f"calls {setters[0]}" if setters else "sets or draws from torch's random state"
             raise ExportError(
-                f"{name}.forward sets or draws from torch's random state while it is captured (torch.manual_seed, "
+                f"{name}.forward {what} while it is captured (torch.manual_seed, torch.random.fork_rng, "
                 "torch.set_rng_state, or a draw the trace runs for real): the graph's draws are made before "
                 "each call and would not follow it. Seed outside forward, before the call (NOTE [python random])")
         raise ExportError(
