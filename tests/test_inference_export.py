@@ -205,3 +205,28 @@ def test_deployment_export_keeps_sizes_symbolic_or_refuses(tmp_path):
         export_inference(_BranchOnBatch(), tmp_path / "branch.onnx", torch.randn(3, 4), dynamic_axes="auto")
     static = export_inference(_BranchOnBatch(), tmp_path / "static.onnx", torch.randn(3, 4))
     assert [d.dim_value for d in onnx.load(str(static)).graph.input[0].type.tensor_type.shape.dim] == [3, 4]
+
+
+class LogEps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.relu(self.lin(x))
+        return torch.log(h + 1e-12) + torch.sqrt(h + 1e-10) * 0.9999999
+
+
+def test_deployment_export_keeps_small_epsilons(tmp_path):
+    """NOTE [near-identity constants]: the deployed graph lost ``+ 1e-12`` (onnxscript's optimizer
+    matched it as ``+ 0``): -inf wherever the ReLU is zero."""
+    torch.manual_seed(0)
+    model = LogEps()
+    x = torch.randn(64, 16)
+    path = ORTModule(model).export_onnx(tmp_path / "logeps.onnx", x)
+    got = _run(path, x=x)[0]
+    with torch.no_grad():
+        want = model(x)
+        assert (F.relu(model.lin(x)) == 0).any()  # the epsilon decides some outputs
+    assert np.isfinite(got).all()
+    _close(got, want)

@@ -1,4 +1,4 @@
-"""The parity sweep: 151 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 155 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -228,6 +228,11 @@ CASES = {
         lambda x: torch.linalg.solve(x.view(4, 16, 16)[:, :3, :3] + torch.eye(3) * 3, x.view(4, 16, 16)[:, :3, :1]),
     ),
     "inv": ("X2", lambda x: torch.linalg.inv(x.view(4, 16, 16)[:, :3, :3] + torch.eye(3) * 3)),
+    # NOTE [near-identity constants]: onnxscript's optimizer took these epsilons for ``+ 0``
+    "log_eps": ("Z2", lambda x: torch.log(F.relu(x) + 1e-12)),
+    "sqrt_eps": ("Z2", lambda x: torch.sqrt(F.relu(x) + 1e-10)),
+    "normalize_eps": ("Z2", lambda x: x / (x.norm(dim=-1, keepdim=True) + 1e-12)),
+    "log_sub_eps": ("Z2", lambda x: torch.log(F.relu(x) - (-1e-9))),
 }
 
 

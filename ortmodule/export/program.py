@@ -903,6 +903,30 @@ def _translate_or_call(ep, name: str, n_user: int, param_names, buffer_names, to
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
+_rules_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def exact_no_op_rules():
+    """NOTE [near-identity constants]: onnxscript's optimizer removes ``x * 1``, ``x + 0``, ``x - 0``
+    and ``x / 1`` by rules that match the constant with ``math.isclose(rel_tol=1e-5, abs_tol=1e-8)``:
+    ``log(relu(h) + 1e-12)`` lost its epsilon (log(0) = -inf where eager gives -27.6),
+    ``sqrt(x + 1e-10)`` and ``x * 0.9999999`` were changed too, silently. While ortmodule's graphs are
+    optimized those four rules are left out (an exact ``x * 1`` is rare and costs one elementwise op);
+    constant folding and the other rules run as before."""
+    import onnxscript.rewriter as rewriter
+    from onnxscript.rewriter.rules.common import _no_op
+
+    arithmetic = {id(r) for r in _no_op.rules} - {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
+    with _rules_lock:
+        default = rewriter._DEFAULT_REWRITE_RULES
+        rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in default if id(r) not in arithmetic)
+        try:
+            yield
+        finally:
+            rewriter._DEFAULT_REWRITE_RULES = default
+
+
 def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) -> onnx.ModelProto:
     import onnx_ir as ir
     import onnxscript
@@ -915,7 +939,8 @@ def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) 
             # torchlib writes opset 18 with a few newer ops (Gelu-20) and local functions: inline
             # them, fold what is constant, then state the opset the graph uses (NOTE [torch.export
             # front end]).
-            onnxscript.optimizer.optimize_ir(program)
+            with exact_no_op_rules():
+                onnxscript.optimizer.optimize_ir(program)
             program = onnxscript.version_converter.convert_version(program, OPSET) or program
     except Exception as exc:
         raise ExportError(f"translating {name}'s exported program to ONNX failed: {type(exc).__name__}: "
