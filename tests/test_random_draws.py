@@ -69,6 +69,9 @@ CASES = {
     "gumbel_softmax": lambda h: F.gumbel_softmax(h, tau=0.7),
     "gumbel_softmax_hard": lambda h: F.gumbel_softmax(h, tau=0.7, hard=True),
     "with_dropout": lambda h: F.dropout(h, 0.2) * torch.rand_like(h) + F.dropout(h, 0.4),  # one eager order
+    # torch.distributions: Uniform(tiny, 1 - eps) under Gumbel's transforms; the factor high - low = 1 - eps
+    # was taken for 1 by onnxscript's optimizer (NOTE [near-identity constants]): 0.027 off near u = 1
+    "gumbel_distribution": lambda h: h + torch.distributions.Gumbel(0.0, 1.0).rsample(h.shape),
     "vae_reparameterise": lambda h: h[:, : D // 2].repeat(1, 2)
     + torch.exp(0.5 * h[:, D // 2:]).repeat(1, 2) * torch.randn_like(h),
 }
