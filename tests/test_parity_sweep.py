@@ -1,4 +1,4 @@
-"""The parity sweep: 155 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 159 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -233,6 +233,11 @@ CASES = {
     "sqrt_eps": ("Z2", lambda x: torch.sqrt(F.relu(x) + 1e-10)),
     "normalize_eps": ("Z2", lambda x: x / (x.norm(dim=-1, keepdim=True) + 1e-12)),
     "log_sub_eps": ("Z2", lambda x: torch.log(F.relu(x) - (-1e-9))),
+    # NOTE [fused kinks]: onnxscript fused these into one Clip, whose gradient at the kinks is not theirs
+    "minimum_maximum": ("tied", lambda x: torch.minimum(torch.maximum(x, torch.tensor(0.0)), torch.tensor(1.0))),
+    "maximum_minimum": ("tied", lambda x: torch.maximum(torch.minimum(x, torch.tensor(1.0)), torch.tensor(0.0))),
+    "relu_of_clamp": ("tied", lambda x: F.relu(x.clamp(-1, 1))),
+    "clamp_of_relu": ("tied", lambda x: F.relu(x).clamp(max=1)),
 }
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ExportError
-from .program import exact_no_op_rules
+from .program import exact_rewrite_rules
 
 __all__ = ["export_inference"]
 
@@ -199,7 +199,7 @@ def _export_dynamo(wrapper: nn.Module, tensors: list, names: list[str], output_n
         # one entry: the wrapper's ``*tensors``
         dynamic_shapes = (tuple({d: dim for d in axes.get(name, {})} or None for name in names),)
     try:
-        with warnings.catch_warnings(), exact_no_op_rules():  # NOTE [near-identity constants]
+        with warnings.catch_warnings(), exact_rewrite_rules(training=False):  # NOTE [near-identity constants]
             warnings.simplefilter("ignore")
             program = torch.onnx.export(wrapper, tuple(tensors), dynamo=True, dynamic_shapes=dynamic_shapes,
                                         input_names=names, output_names=output_names, opset_version=opset,

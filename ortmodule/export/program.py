@@ -907,20 +907,29 @@ _rules_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def exact_no_op_rules():
-    """NOTE [near-identity constants]: onnxscript's optimizer removes ``x * 1``, ``x + 0``, ``x - 0``
-    and ``x / 1`` by rules that match the constant with ``math.isclose(rel_tol=1e-5, abs_tol=1e-8)``:
-    ``log(relu(h) + 1e-12)`` lost its epsilon (log(0) = -inf where eager gives -27.6),
-    ``sqrt(x + 1e-10)`` and ``x * 0.9999999`` were changed too, silently. While ortmodule's graphs are
-    optimized those four rules are left out (an exact ``x * 1`` is rare and costs one elementwise op);
-    constant folding and the other rules run as before."""
-    import onnxscript.rewriter as rewriter
-    from onnxscript.rewriter.rules.common import _no_op
+def exact_rewrite_rules(training: bool = True):
+    """onnxscript's default rewrite rules, less the ones that change what a graph computes.
 
-    arithmetic = {id(r) for r in _no_op.rules} - {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
+    NOTE [near-identity constants]: its optimizer removes ``x * 1``, ``x + 0``, ``x - 0`` and
+    ``x / 1`` by rules that match the constant with ``math.isclose(rel_tol=1e-5, abs_tol=1e-8)``:
+    ``log(relu(h) + 1e-12)`` lost its epsilon (log(0) = -inf where eager gives -27.6),
+    ``sqrt(x + 1e-10)`` and ``x * 0.9999999`` were changed too, silently. Those four rules are left
+    out (an exact ``x * 1`` is rare and costs one elementwise op).
+
+    NOTE [fused kinks]: for a training graph (``training``) the fusions of Min/Max chains into Clip
+    and of Relu/Clip chains are left out too: they keep the values but not the gradient at the
+    kinks, which the rules take from the ops the graph names (``minimum(maximum(x, 0), 1)`` splits a
+    tie at 0 as torch.maximum does, its Clip would not; ``relu(clamp(x, -1, 1))`` has gradient 0 at
+    x = 0, a Clip(0, 1) has 1). Constant folding and the other rules run as before."""
+    import onnxscript.rewriter as rewriter
+    from onnxscript.rewriter.rules.common import _fuse_relus_clips, _min_max_to_clip, _no_op
+
+    left_out = {id(r) for r in _no_op.rules} - {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
+    if training:
+        left_out |= {id(r) for r in (*_fuse_relus_clips.rules, *_min_max_to_clip.rules)}
     with _rules_lock:
         default = rewriter._DEFAULT_REWRITE_RULES
-        rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in default if id(r) not in arithmetic)
+        rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in default if id(r) not in left_out)
         try:
             yield
         finally:
@@ -939,7 +948,7 @@ def _translate(ep, registry, name: str, n_user: int, param_names, buffer_names) 
             # torchlib writes opset 18 with a few newer ops (Gelu-20) and local functions: inline
             # them, fold what is constant, then state the opset the graph uses (NOTE [torch.export
             # front end]).
-            with exact_no_op_rules():
+            with exact_rewrite_rules():
                 onnxscript.optimizer.optimize_ir(program)
             program = onnxscript.version_converter.convert_version(program, OPSET) or program
     except Exception as exc:
