@@ -431,3 +431,19 @@ def test_a_parameter_sliced_by_the_sequence_length_serves_every_length():
     assert wrapped.stats.fallbacks == 0, wrapped.stats.last_fallback_reason
     if TORCH_EXPORT:
         assert wrapped.stats.exports == 2  # static at 12, one symbolic graph for every other length
+
+
+def test_an_onnxscript_without_the_expected_rules_is_loud(monkeypatch):
+    """NOTE [near-identity constants]: ortmodule leaves some of onnxscript's rewrite rules out; where a
+    newer onnxscript keeps them elsewhere, the export falls back naming it instead of optimizing with
+    rules that change small constants."""
+    import onnxscript.rewriter as rewriter
+
+    monkeypatch.delattr(rewriter, "_DEFAULT_REWRITE_RULES")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    wrapped = _export(copy.deepcopy(model))
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="keeps its rewrite rules elsewhere"):
+        y = wrapped(x)
+    assert_close(y, model(x), 1e-6, "output")
+    assert wrapped.stats.fallbacks == 1

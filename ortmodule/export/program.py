@@ -921,12 +921,22 @@ def exact_rewrite_rules(training: bool = True):
     kinks, which the rules take from the ops the graph names (``minimum(maximum(x, 0), 1)`` splits a
     tie at 0 as torch.maximum does, its Clip would not; ``relu(clamp(x, -1, 1))`` has gradient 0 at
     x = 0, a Clip(0, 1) has 1). Constant folding and the other rules run as before."""
+    import onnxscript
     import onnxscript.rewriter as rewriter
-    from onnxscript.rewriter.rules.common import _fuse_relus_clips, _min_max_to_clip, _no_op
 
-    left_out = {id(r) for r in _no_op.rules} - {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
-    if training:
-        left_out |= {id(r) for r in (*_fuse_relus_clips.rules, *_min_max_to_clip.rules)}
+    try:
+        from onnxscript.rewriter.rules.common import _fuse_relus_clips, _min_max_to_clip, _no_op
+
+        left_out = {id(r) for r in _no_op.rules} - {id(_no_op.dropout_zero_rule), id(_no_op.dropout_inference_rule)}
+        if training:
+            left_out |= {id(r) for r in (*_fuse_relus_clips.rules, *_min_max_to_clip.rules)}
+        rewriter._DEFAULT_REWRITE_RULES  # noqa: B018 (the table swapped below)
+    except (ImportError, AttributeError) as exc:  # a newer onnxscript laid its rules out otherwise
+        raise ExportError(
+            f"onnxscript {onnxscript.__version__} keeps its rewrite rules elsewhere than ortmodule expects "
+            f"({exc}); without leaving some out, its optimizer would change small constants and kink "
+            "gradients (NOTE [near-identity constants]). Install the onnxscript version of ortmodule's "
+            "CI (0.7.x)") from exc
     with _rules_lock:
         default = rewriter._DEFAULT_REWRITE_RULES
         rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in default if id(r) not in left_out)
