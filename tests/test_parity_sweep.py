@@ -1,4 +1,4 @@
-"""The parity sweep: 159 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 163 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -233,6 +233,11 @@ CASES = {
     "sqrt_eps": ("Z2", lambda x: torch.sqrt(F.relu(x) + 1e-10)),
     "normalize_eps": ("Z2", lambda x: x / (x.norm(dim=-1, keepdim=True) + 1e-12)),
     "log_sub_eps": ("Z2", lambda x: torch.log(F.relu(x) - (-1e-9))),
+    # NOTE [log1p and expm1]: written as log(1 + x) and exp(x) - 1, they lost the small x's digits
+    "log1p_small": ("X2", lambda x: torch.log1p(x * 1e-6) * 1e6),
+    "expm1_small": ("X2", lambda x: torch.expm1(x * 1e-4) * 1e4),
+    "log1p_edges": ("Z2", lambda x: torch.log1p(x.clamp(min=-1))),
+    "expm1_edges": ("X2", lambda x: torch.expm1(x * 60)),
     # NOTE [fused kinks]: onnxscript fused these into one Clip, whose gradient at the kinks is not theirs
     "minimum_maximum": ("tied", lambda x: torch.minimum(torch.maximum(x, torch.tensor(0.0)), torch.tensor(1.0))),
     "maximum_minimum": ("tied", lambda x: torch.maximum(torch.minimum(x, torch.tensor(1.0)), torch.tensor(0.0))),

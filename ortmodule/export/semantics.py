@@ -357,6 +357,43 @@ def grad_kind(x: torch.Tensor, kind: int) -> torch.Tensor:
     return torch.ops.ortmodule.grad_kind(x, kind) if x.is_floating_point() and torch.is_grad_enabled() else x
 
 
+_LOG1P = {torch.log1p, torch.Tensor.log1p, torch.special.log1p}
+_EXPM1 = {torch.expm1, torch.Tensor.expm1, torch.special.expm1}
+
+
+# NOTE [log1p and expm1]: ONNX has neither; the exporters write log(1 + x) and exp(x) - 1, which lose
+# every digit that ``1 + x`` or ``exp(x)`` rounds away: log1p(1e-6) came out 5% off, expm1(1e-4) 0.1%
+# (eager's kernels are accurate to an ulp), and whatever scales them up (a log-probability of a
+# near-certain event, a small-step update) inherited it. Written as the same naive term, which gives
+# the gradient (1 / (1 + x), exp(x): torch's formulas), plus a correction without gradient from
+# the classic exact forms for |x| < 1: log1p(x) = x log(u) / (u - 1) with u = 1 + x, and
+# expm1(x) = (u - 1) / log(u) * x with u = exp(x) (x where u == 1). Elsewhere, or where a term is not
+# finite (x = -1, NaN), the naive value stands, as accurate there as torch's.
+def _precise_log1p(x: torch.Tensor) -> torch.Tensor:
+    naive = torch.log(1 + x)
+    xs = stop_gradient(x)
+    u = 1 + xs
+    d = u - 1
+    exact = torch.where(d == 0, xs, xs * torch.log(u) / torch.where(d == 0, 1, d))
+    return naive + _correction(exact, stop_gradient(naive), xs)
+
+
+def _precise_expm1(x: torch.Tensor) -> torch.Tensor:
+    naive = torch.exp(x) - 1
+    xs = stop_gradient(x)
+    u = torch.exp(xs)
+    lu = torch.log(u)
+    exact = torch.where(u == 1, xs, (u - 1) / torch.where(u == 1, 1, lu) * xs)
+    return naive + _correction(exact, stop_gradient(naive), xs)
+
+
+def _correction(exact: torch.Tensor, naive: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    # only |x| < 1 loses digits to 1 + x or exp(x) - 1; further out the naive value is as good, and
+    # the exact forms read log() of a denormal exp(x) (x < -87), which onnxruntime takes as zero
+    ok = torch.isfinite(exact) & torch.isfinite(naive) & (xs.abs() < 1)
+    return stop_gradient(torch.where(ok, exact - naive, 0))
+
+
 def stop_gradient(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.ortmodule.stop_gradient(x) if x.is_floating_point() else x
 
@@ -418,6 +455,9 @@ def masks_to_inputs(model, masks: list, input_name, dynamic: bool = False) -> No
     model.opset_import.extend(opsets)
 
 
+_PLAIN = object()  # a call traced as it is
+
+
 class _Base(TorchFunctionMode):
     def _batch_norm(self, func, args, kwargs):
         return func(*args, **kwargs)
@@ -429,6 +469,24 @@ class _Base(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = self._own_form(func, args, kwargs)
+        if out is _PLAIN:
+            if not torch.is_grad_enabled():
+                if args and isinstance(args[0], torch.Tensor) and (is_inplace(func) or kwargs.get("out") is not None):
+                    return self._no_grad_write(func, args, kwargs)
+                # NOTE [stop gradient]: what the forward computes under torch.no_grad() carries no
+                # gradient in eager PyTorch; the tracer records it like any op, so mark it.
+                return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, func(*args, **kwargs))
+            return func(*args, **kwargs)
+        if torch.is_grad_enabled() or is_inplace(func) or kwargs.get("out") is not None or kwargs.get("inplace"):
+            return out
+        # NOTE [stop gradient]: so does ortmodule's own form of a call (a rewrite, a draw, dropout,
+        # logsigmoid, relu6 with its kink marked ...): relu6(h) as the last op of a no_grad block gave
+        # h's layer a gradient 17 off eager's
+        return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, out)
+
+    def _own_form(self, func, args, kwargs):
+        """ortmodule's own form of ``func(*args, **kwargs)`` for the trace, or ``_PLAIN`` (trace it as is)."""
         if self.watch is not None:  # NOTE [trace traps]
             if getattr(func, "__self__", None) is _DATA:
                 # ``t.data`` is not traced: the tracer would bake the value it holds at export time.
@@ -494,6 +552,10 @@ class _Base(TorchFunctionMode):
             n1 = torch.linalg.vector_norm(b["x1"], 2, dim, keepdim=True).clamp(min=eps)
             n2 = torch.linalg.vector_norm(b["x2"], 2, dim, keepdim=True).clamp(min=eps)
             return ((b["x1"] / n1) * (b["x2"] / n2)).sum(dim)
+        if func in _LOG1P or func in _EXPM1:
+            x = args[0] if args else kwargs["input"]
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and len(args) <= 1 and set(kwargs) <= {"input"}:
+                return _precise_log1p(x) if func in _LOG1P else _precise_expm1(x)
         if func is F.logsigmoid:
             # NOTE [stable logsigmoid]: both exporters write log(sigmoid(x)), -inf below x ~ -104
             # where torch's value is ~x (DPO's loss, negative sampling): written as -softplus(-x).
@@ -507,13 +569,7 @@ class _Base(TorchFunctionMode):
             return out
         if func is F.embedding:
             return self._embedding(func, args, kwargs)
-        if not torch.is_grad_enabled():
-            if args and isinstance(args[0], torch.Tensor) and (is_inplace(func) or kwargs.get("out") is not None):
-                return self._no_grad_write(func, args, kwargs)
-            # NOTE [stop gradient]: what the forward computes under torch.no_grad() carries no
-            # gradient in eager PyTorch; the tracer records it like any op, so mark it.
-            return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, func(*args, **kwargs))
-        return func(*args, **kwargs)
+        return _PLAIN
 
     def _no_grad_write(self, func, args, kwargs):
         """An in-place op (or ``out=``) under ``torch.no_grad()``: NOTE [no_grad writes]."""
