@@ -1,4 +1,4 @@
-"""The parity sweep: 163 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 168 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -238,6 +238,18 @@ CASES = {
     "expm1_small": ("X2", lambda x: torch.expm1(x * 1e-4) * 1e4),
     "log1p_edges": ("Z2", lambda x: torch.log1p(x.clamp(min=-1))),
     "expm1_edges": ("X2", lambda x: torch.expm1(x * 60)),
+    # NOTE [binary cross entropy]: from log(sigmoid) / log(p) with onnxruntime's coarse Sigmoid: inf and NaN
+    "bce_logits_big": ("X2", lambda x: F.binary_cross_entropy_with_logits(x * 40, (x > 0.3).float(), reduction="none")),
+    "bce_logits_at_zero": ("Z2", lambda x: F.binary_cross_entropy_with_logits(x, (x > 0).float(), reduction="none")),
+    "bce_logits_weights": (
+        "X2",
+        lambda x: F.binary_cross_entropy_with_logits(
+            x * 30, (x > 0.3).float(), weight=torch.linspace(1, 2, 16), pos_weight=torch.linspace(0.5, 3, 16)),
+    ),
+    "bce_probs_saturated": ("X2", lambda x: F.binary_cross_entropy(torch.sigmoid(x * 30), (x > 0.3).float(),
+                                                                    reduction="none")),
+    "bce_probs_sum": ("X2", lambda x: F.binary_cross_entropy(torch.sigmoid(x), (x > 0).float(),
+                                                              weight=torch.linspace(1, 2, 16), reduction="sum")),
     # NOTE [fused kinks]: onnxscript fused these into one Clip, whose gradient at the kinks is not theirs
     "minimum_maximum": ("tied", lambda x: torch.minimum(torch.maximum(x, torch.tensor(0.0)), torch.tensor(1.0))),
     "maximum_minimum": ("tied", lambda x: torch.maximum(torch.minimum(x, torch.tensor(1.0)), torch.tensor(0.0))),

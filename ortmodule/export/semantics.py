@@ -387,6 +387,51 @@ def _precise_expm1(x: torch.Tensor) -> torch.Tensor:
     return naive + _correction(exact, stop_gradient(naive), xs)
 
 
+_BCE_LOGITS = {F.binary_cross_entropy_with_logits, torch.binary_cross_entropy_with_logits}
+_BCE = _BCE_LOGITS | {F.binary_cross_entropy}
+
+
+def _binary_cross_entropy(func, args, kwargs):
+    """NOTE [binary cross entropy]: the exporters write both losses from ``log(sigmoid(x))`` or
+    ``log(p)``, and onnxruntime's CPU Sigmoid is exact only to ~6e-8 absolute (sigmoid(-16) came
+    out 5.96e-8 for 1.13e-7, sigmoid(-18) 0): BCE with logits beyond about +-17 on the wrong side
+    gave an infinite loss and NaN gradients where eager's are finite (a confident mistake in
+    multi-label training), and BCE on probabilities of exactly 0 or 1 NaN gradients where eager
+    divides by max(p (1 - p), 1e-12). Written as torch computes them:
+    - with logits: ``(1 - y) x + w_log * softplus(-x)`` (``w_log = 1 + (pos_weight - 1) y``);
+      onnxruntime's Softplus is stable and its rule's sigmoid gives torch's gradient sigmoid(x) - y,
+      0.5 - y at x = 0 too;
+    - on probabilities: ATen's value ``-(y max(log p, -100) + (1 - y) max(log(1 - p), -100))``
+      without gradient, plus ``(p - sg(p)) * sg((p - y) / max(p (1 - p), 1e-12))``, which is 0 in
+      the forward and has ATen's gradient."""
+    names = ("input", "target", "weight", "size_average", "reduce", "reduction")
+    if func in _BCE_LOGITS:
+        names += ("pos_weight",)
+    b = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "pos_weight": None}
+    b.update(zip(names, args))
+    b.update(kwargs)
+    x, y = b["input"], b["target"]
+    legacy = b["size_average"] is not None or b["reduce"] is not None
+    if (legacy or not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or not x.is_floating_point()
+            or b["reduction"] not in ("none", "mean", "sum")):
+        return NOT_REWRITTEN
+    if func in _BCE_LOGITS:
+        softplus = F.softplus(-x)
+        if b["pos_weight"] is not None:
+            softplus = ((b["pos_weight"] - 1) * y + 1) * softplus
+        loss = (1 - y) * x + softplus
+    else:
+        p = stop_gradient(x)
+        value = -(y * torch.log(p).clamp(min=-100) + (1 - y) * torch.log(1 - p).clamp(min=-100))
+        slope = (p - y) / (p * (1 - p)).clamp(min=1e-12)
+        loss = stop_gradient(value) + (x - p) * stop_gradient(slope)
+    if b["weight"] is not None:
+        loss = loss * b["weight"]
+    if b["reduction"] == "mean":
+        return loss.mean()
+    return loss.sum() if b["reduction"] == "sum" else loss
+
+
 def _correction(exact: torch.Tensor, naive: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     # only |x| < 1 loses digits to 1 + x or exp(x) - 1; further out the naive value is as good, and
     # the exact forms read log() of a denormal exp(x) (x < -87), which onnxruntime takes as zero
@@ -536,6 +581,10 @@ class _Base(TorchFunctionMode):
                                               b["reduction"], float(b["label_smoothing"]))
         if func in (torch.Tensor.detach, torch.detach):
             return stop_gradient(args[0])
+        if func in _BCE:
+            out = _binary_cross_entropy(func, args, kwargs)
+            if out is not NOT_REWRITTEN:
+                return out
         if self.watch is not None and self.watch.jit:
             why = _torch_only(func, args, kwargs)
             if why is not None:
