@@ -1,4 +1,4 @@
-"""The parity sweep: 168 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 171 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -250,6 +250,10 @@ CASES = {
                                                                     reduction="none")),
     "bce_probs_sum": ("X2", lambda x: F.binary_cross_entropy(torch.sigmoid(x), (x > 0).float(),
                                                               weight=torch.linspace(1, 2, 16), reduction="sum")),
+    # NOTE [logaddexp]: log(exp(a) + exp(b)) overflowed
+    "logaddexp_big": ("X2", lambda x: torch.logaddexp(x * 100, x.flip(0) * 100)),
+    "logaddexp_ties": ("tied", lambda x: torch.logaddexp(x, x.clamp(0, 1))),
+    "logaddexp2_big": ("X2", lambda x: torch.logaddexp2(x * 100, x.flip(1) * 100)),
     # NOTE [fused kinks]: onnxscript fused these into one Clip, whose gradient at the kinks is not theirs
     "minimum_maximum": ("tied", lambda x: torch.minimum(torch.maximum(x, torch.tensor(0.0)), torch.tensor(1.0))),
     "maximum_minimum": ("tied", lambda x: torch.maximum(torch.minimum(x, torch.tensor(1.0)), torch.tensor(0.0))),

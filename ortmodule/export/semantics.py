@@ -387,6 +387,21 @@ def _precise_expm1(x: torch.Tensor) -> torch.Tensor:
     return naive + _correction(exact, stop_gradient(naive), xs)
 
 
+_LOGADDEXP = {torch.logaddexp, torch.Tensor.logaddexp, torch.logaddexp2, torch.Tensor.logaddexp2}
+
+
+def _logaddexp(a: torch.Tensor, b: torch.Tensor, base2: bool) -> torch.Tensor:
+    """NOTE [logaddexp]: the exporters write log(exp(a) + exp(b)), infinite from a or b ~ 89 on (NaN
+    gradients) where eager's is finite; torch computes max(a, b) + log1p(exp(-|a - b|)) (base 2:
+    log2, exp2), and two equal infinities give themselves. The max splits a tie's gradient half and
+    half, as eager's exp(a) / (exp(a) + exp(b)) = 0.5."""
+    m = torch.maximum(a, b)
+    d = -(a - b).abs()
+    tail = _precise_log1p(torch.exp2(d)) / math.log(2) if base2 else _precise_log1p(torch.exp(d))
+    out = m + tail
+    return torch.where(torch.isinf(a) & (a == b), a + torch.zeros_like(b), out)
+
+
 _BCE_LOGITS = {F.binary_cross_entropy_with_logits, torch.binary_cross_entropy_with_logits}
 _BCE = _BCE_LOGITS | {F.binary_cross_entropy}
 
@@ -581,6 +596,8 @@ class _Base(TorchFunctionMode):
                                               b["reduction"], float(b["label_smoothing"]))
         if func in (torch.Tensor.detach, torch.detach):
             return stop_gradient(args[0])
+        if func in _LOGADDEXP and len(args) == 2 and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            return _logaddexp(*args, base2=func in (torch.logaddexp2, torch.Tensor.logaddexp2))
         if func in _BCE:
             out = _binary_cross_entropy(func, args, kwargs)
             if out is not NOT_REWRITTEN:
