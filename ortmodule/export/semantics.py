@@ -538,8 +538,9 @@ class _Base(TorchFunctionMode):
                 # gradient in eager PyTorch; the tracer records it like any op, so mark it.
                 return torch.utils._pytree.tree_map_only(torch.Tensor, stop_gradient, func(*args, **kwargs))
             return func(*args, **kwargs)
-        if torch.is_grad_enabled() or is_inplace(func) or kwargs.get("out") is not None or kwargs.get("inplace"):
-            return out
+        if (torch.is_grad_enabled() or is_inplace(func) or kwargs.get("out") is not None or kwargs.get("inplace")
+                or func in (torch.Tensor.detach, torch.detach) or getattr(func, "__self__", None) is _DATA):
+            return out  # ``t.data``, ``detach``: stopped already; a write through ``.data`` is known by identity
         # NOTE [stop gradient]: so does ortmodule's own form of a call (a rewrite, a draw, dropout,
         # logsigmoid, relu6 with its kink marked ...): relu6(h) as the last op of a no_grad block gave
         # h's layer a gradient 17 off eager's
