@@ -204,7 +204,6 @@ def snapshot(module: nn.Module) -> tuple[tuple[bool, ...], tuple]:
     return tuple(modes), tuple(keys)
 
 
-
 def find_change(module: nn.Module, old: tuple, new: tuple) -> str | None:
     """What changed from the export-time snapshot ``old`` to ``new`` that the graph may depend on, or
     None. Attributes that did not exist at export time are not read by the graph's forward (a loss

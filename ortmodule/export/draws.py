@@ -74,15 +74,13 @@ class RandomSpec:
     order: tuple[int, ...] | None = None
 
     def draw(self, device: torch.device, inputs=()) -> torch.Tensor:
-        shape = self.shape
-        if self.dims is not None:
-            shape = tuple(d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in self.dims)
+        from .semantics import drawn_shape, strided_empty
+
+        shape = drawn_shape(self.shape, self.dims, inputs)
         where = torch.device(self.device) if self.device is not None else device
         if self.fill == "randperm":
             out = torch.randperm(shape[0], dtype=self.dtype, device=where)
         else:
-            from .semantics import strided_empty
-
             out = strided_empty(shape, self.order, self.dtype, where)
             getattr(out, self.fill)(*self.params)
         return out.to(device).contiguous()

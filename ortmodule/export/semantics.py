@@ -55,9 +55,7 @@ class MaskSpec:
     order: tuple[int, ...] | None = None
 
     def draw(self, device: torch.device, inputs=()) -> torch.Tensor:
-        shape = self.shape
-        if self.dims is not None:
-            shape = tuple(d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in self.dims)
+        shape = drawn_shape(self.shape, self.dims, inputs)
         # NOTE [bool masks]: eager's CPU dropout computes ``x * bernoulli(1 - p).div_(1 - p)``. The
         # mask is drawn by the same call (the same random stream) and kept as bool, a quarter of the
         # float mask's bytes while it is alive from the forward to the backward; the graph computes
@@ -72,6 +70,14 @@ class MaskSpec:
         if self.p >= 1.0:
             return 0.0
         return float(torch.ones((), dtype=self.dtype).div_(1.0 - self.p))
+
+
+def drawn_shape(shape: tuple, dims: tuple | None, inputs) -> tuple:
+    """The shape of a draw for this call: ``dims[d]`` is a fixed size or ``(i, j)``, dim j of user
+    input i (NOTE [dynamic shapes]); ``dims`` None: the export-time ``shape``."""
+    if dims is None:
+        return shape
+    return tuple(d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in dims)
 
 
 def strided_empty(shape, order, dtype, device) -> torch.Tensor:
