@@ -1,4 +1,4 @@
-"""The parity sweep: 171 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 175 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -259,6 +259,11 @@ CASES = {
     "maximum_minimum": ("tied", lambda x: torch.maximum(torch.minimum(x, torch.tensor(1.0)), torch.tensor(0.0))),
     "relu_of_clamp": ("tied", lambda x: F.relu(x.clamp(-1, 1))),
     "clamp_of_relu": ("tied", lambda x: F.relu(x).clamp(max=1)),
+    # NOTE [precise sigmoid]: onnxruntime's Sigmoid is exact only to ~1e-7 absolute
+    "log_of_sigmoid": ("X2", lambda x: torch.log(torch.sigmoid(x * 10))),
+    "log_of_sigmoid_eps": ("X2", lambda x: torch.log(torch.sigmoid(x * 8) + 1e-9)),
+    "over_sigmoid": ("X2", lambda x: x.flip(0) / torch.sigmoid(x * 6)),
+    "expit_rsqrt": ("X2", lambda x: torch.rsqrt(torch.special.expit(x * 5))),
 }
 
 

@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from .control_flow import inline_constant_ifs
+from .precision import precise_sigmoid
 from .proto import node_attrs
 from .rows import select_rows_early
 
@@ -167,7 +168,7 @@ def pool_before_relu(graph: ir.Graph) -> int:
     return changed
 
 
-FORWARD_PASSES = (inline_constant_ifs, drop_noop_casts, select_rows_early, keep_layer_norm_stats,
+FORWARD_PASSES = (inline_constant_ifs, precise_sigmoid, drop_noop_casts, select_rows_early, keep_layer_norm_stats,
                   batch_stats_batch_norm, pool_before_relu)
 
 
@@ -215,7 +216,7 @@ def run_forward_passes(graph: ir.Graph) -> int:
 
 
 # The forward passes that keep a graph's outputs as they are (keep_layer_norm_stats adds outputs).
-INFERENCE_PASSES = (drop_noop_casts, select_rows_early, batch_stats_batch_norm, pool_before_relu)
+INFERENCE_PASSES = (precise_sigmoid, drop_noop_casts, select_rows_early, batch_stats_batch_norm, pool_before_relu)
 
 
 def optimize_inference(model: onnx.ModelProto) -> onnx.ModelProto:

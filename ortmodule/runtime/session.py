@@ -8,6 +8,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 from torch.utils.dlpack import from_dlpack
 
+from ..passes.precision import lower_precise
 from .threads import release_omp_workers
 
 _CPU_DEVICE = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
@@ -122,6 +123,7 @@ class GraphRunner:
         # cached: that would keep a step's tensors alive into the next.
         self._stable = stable_inputs
         self._bound: dict[str, tuple] = {}
+        model = lower_precise(model)  # NOTE [precise sigmoid]
         self.session = ort.InferenceSession(
             model.SerializeToString(), options or make_session_options(), providers=providers_for(device),
             disabled_optimizers=DISABLED_OPTIMIZERS,

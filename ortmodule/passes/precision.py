@@ -1,0 +1,122 @@
+"""Precise forms of onnxruntime kernels whose values are exact only in absolute terms, where the
+graph reads them relatively.
+
+# NOTE [precise sigmoid]: onnxruntime's CPU Sigmoid (MLAS's logistic approximation) is exact to
+# about 1e-7 absolute, not relative: sigmoid(-10) comes out 0.2% off, sigmoid(-12) 29%,
+# sigmoid(-16) 5.96e-8 for 1.13e-7 and sigmoid(-18) 0 (float32; float64 is 0.1% off at -30), where
+# torch's is exact to an ulp. Added to or multiplied into other activations that is noise; read
+# relatively it is a wrong number: ``log(sigmoid(x))`` (focal and custom BCE losses) was 0.25 off
+# at x = -12 and -inf from -17.4 on, ``x / sigmoid(z)`` and ``sqrt`` likewise, and a model that
+# returns probabilities to a loss computed in torch (``F.binary_cross_entropy(model(x), y)``) gave
+# a gradient 1000x eager's for a confident mistake. Where a Sigmoid's value reaches such a reader
+# (Log, Sqrt, Reciprocal, the divisor of a Div, the base of a Pow, a graph output or a node outside
+# the ONNX domain) through value-keeping ops, its negative half is written ``e / (1 + e)`` with
+# ``e = exp(x)`` and its positive half ``1 / (1 + exp(-x))`` as torch writes it (onnxruntime's is 3
+# ulps off near 1, where ``log(1 - p)`` reads it: a BCE on probabilities differed by 1%); exact to an
+# ulp, denormals aside. The graph pass only marks the node (``PRECISE_KEY``): autodiff sees a Sigmoid
+# and gives eager's gradient ``dy y (1 - y)`` of the precise value (differentiating the written-out
+# form instead gave 1e3 where eager's is 0: y rounds to 1 where exp(-x) does not vanish), and the
+# node is written out where a model becomes a session (runtime/session.py), so the forward, a
+# recomputation in the backward and the no-grad graph all run the same precise form.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+PRECISE_KEY = "pkg.ortmodule.precise"
+
+# Ops through which a small value stays small in relative terms (or is passed on as it is).
+_KEEPS_VALUE = frozenset({
+    "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose", "Slice", "Gather",
+    "GatherElements", "GatherND", "Concat", "Expand", "Split", "Tile", "Pad", "Add", "Sub", "Mul", "Neg",
+    "Abs", "Clip", "Max", "Min", "Where", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin",
+    "CumSum", "Div",
+})
+_READS_RELATIVELY = frozenset({"Log", "Sqrt", "Reciprocal"})
+_PRECISE_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
+_MAX_WALK = 256
+
+
+def _read_relatively(graph: ir.Graph, y: ir.Value) -> bool:
+    """Whether ``y``'s value reaches a relative reader (NOTE [precise sigmoid])."""
+    outputs = set(graph.outputs)
+    seen: set[int] = set()
+    todo = [y]
+    while todo:
+        v = todo.pop()
+        if v in outputs:
+            return True
+        for use in v.uses():
+            node, idx = use.node, use.idx
+            if node.domain not in ("", "ai.onnx"):
+                return True
+            op = node.op_type
+            if (op in _READS_RELATIVELY or (op == "Div" and idx == 1) or (op == "Pow" and idx == 0)):
+                return True
+            if op not in _KEEPS_VALUE or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if len(seen) > _MAX_WALK:
+                return True  # a long walk: keep it precise rather than guess
+            todo.extend(o for o in node.outputs if o is not None)
+    return False
+
+
+def precise_sigmoid(graph: ir.Graph) -> int:
+    """Mark the Sigmoids whose value is read relatively (NOTE [precise sigmoid]); the sessions run them
+    as :func:`lower_precise` writes them, and their gradient stays eager's ``y (1 - y)`` of that value."""
+    changed = 0
+    for node in graph:
+        if (node.op_type != "Sigmoid" or node.domain not in ("", "ai.onnx") or PRECISE_KEY in node.metadata_props
+                or node.inputs[0] is None or node.inputs[0].dtype not in _PRECISE_TYPES):
+            continue
+        if _read_relatively(graph, node.outputs[0]):
+            node.metadata_props[PRECISE_KEY] = str(int(node.inputs[0].dtype))  # the proto has no types
+            changed += 1
+    return changed
+
+
+def lower_precise(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its marked Sigmoids written out (NOTE [precise sigmoid]); ``model`` itself where
+    none is marked. The outputs keep their names."""
+    if not any(p.key == PRECISE_KEY for n in model.graph.node for p in n.metadata_props):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes: list[onnx.NodeProto] = []
+    for node in out.graph.node:
+        if node.op_type != "Sigmoid" or not any(p.key == PRECISE_KEY for p in node.metadata_props):
+            nodes.append(node)
+            continue
+        nodes.extend(_sigmoid_nodes(node, next(int(p.value) for p in node.metadata_props if p.key == PRECISE_KEY)))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _sigmoid_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
+    # negative half e / (1 + e), positive half 1 / (1 + e), e = exp(-|x|)
+    (x,), (y,) = node.input, node.output
+    base = f"{y}/precise"
+    make = onnx.helper.make_node
+    one = onnx.helper.make_tensor(f"{base}/one", dtype, [], [1.0])
+    zero = onnx.helper.make_tensor(f"{base}/zero", dtype, [], [0.0])
+    props = {p.key: p.value for p in node.metadata_props if p.key != PRECISE_KEY}
+    nodes = [
+        make("Constant", [], [f"{base}/one"], value=one),
+        make("Constant", [], [f"{base}/zero"], value=zero),
+        make("Less", [x, f"{base}/zero"], [f"{base}/negative"]),
+        make("Neg", [x], [f"{base}/minus"]),
+        make("Where", [f"{base}/negative", x, f"{base}/minus"], [f"{base}/minus_abs"]),
+        make("Exp", [f"{base}/minus_abs"], [f"{base}/exp"]),
+        make("Add", [f"{base}/exp", f"{base}/one"], [f"{base}/one_plus_exp"]),
+        make("Div", [f"{base}/one", f"{base}/one_plus_exp"], [f"{base}/positive_half"]),
+        make("Div", [f"{base}/exp", f"{base}/one_plus_exp"], [f"{base}/negative_half"]),
+        make("Where", [f"{base}/negative", f"{base}/negative_half", f"{base}/positive_half"], [y]),
+    ]
+    for i, n in enumerate(nodes):
+        n.name = f"{node.name or 'Sigmoid'}/precise/{i}"
+        onnx.helper.set_metadata_props(n, props) if props else None
+    return nodes

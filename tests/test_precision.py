@@ -1,0 +1,160 @@
+"""NOTE [precise sigmoid]: Sigmoids whose value is read relatively (a log, a divisor, a graph output)
+run as the exact form, and keep eager's gradient; the others stay onnxruntime's Sigmoid."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ortmodule import OnnxModule, ORTModule
+from ortmodule.passes.precision import PRECISE_KEY, lower_precise, precise_sigmoid
+from tests.helpers import assert_close, train_side_by_side
+
+
+def _batch(n: int = 512, d: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), (torch.rand(n, d, generator=g) > 0.5).float()
+
+
+class Probabilities(nn.Module):
+    """A multi-label head that returns probabilities; the loss is computed in torch, outside."""
+
+    def __init__(self, d: int = 32, scale: float = 12.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.scale = scale
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x) * self.scale)
+
+
+class FocalLoss(nn.Module):
+    """A focal loss as written by hand in detection code: log of the sigmoid, clamped."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        p = torch.sigmoid(self.fc(x) * 8).clamp(1e-30, 1 - 1e-7)
+        return -(y * (1 - p) ** 2 * torch.log(p) + (1 - y) * p ** 2 * torch.log(1 - p)).mean()
+
+
+class SiluMLP(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x))).square().mean()
+
+
+def test_probabilities_returned_to_a_torch_loss_match_eager():
+    # before: ORT's sigmoid(-16) = 5.96e-8 (1.13e-7), sigmoid(-18) = 0, so BCE's (p - y) / p(1 - p)
+    # was up to 1000x eager's for a confident mistake
+    x, y = _batch()
+    train_side_by_side(Probabilities(), [(x, y)], lambda p, b: F.binary_cross_entropy(p, b[1]), rtol=1e-4,
+                       kwargs_fn=lambda b: {"x": b[0]}, steps=3)
+
+
+def test_log_of_sigmoid_matches_eager():
+    x, y = _batch()
+    train_side_by_side(FocalLoss(), [(x, y)], lambda loss, b: loss, rtol=1e-4, steps=3)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_output_values_are_exact_relatively(level):
+    # the tail itself: every probability within 1e-6 relative of eager's (ORT's: 29% off at -12)
+    model = Probabilities(scale=20.0)
+    wrapped = ORTModule(copy.deepcopy(model), memory_opt_level=level)
+    x, _ = _batch(2048)
+    pe = model(x)
+    po = wrapped(x)
+    tail = pe < 1e-4
+    assert tail.sum() > 1000
+    rel = ((po - pe).abs() / pe.clamp_min(1e-38)).detach()[pe > 0]
+    assert float(rel.max()) < 1e-5, float(rel.max())
+    torch.log(po).sum().backward()
+    torch.log(pe).sum().backward()
+    assert_close(dict(wrapped.named_parameters())["fc.weight"].grad, model.fc.weight.grad, 1e-4, "fc.weight.grad")
+    with torch.no_grad():
+        pn = wrapped(x)
+    assert float(((pn - pe).abs() / pe.clamp_min(1e-38)).detach()[pe > 0].max()) < 1e-5
+
+
+def test_gradient_is_eagers_where_the_probability_rounds_to_one():
+    # eager's sigmoid backward is dy * y (1 - y): 0 where y rounds to 1, however large dy is; the
+    # written-out form differentiated by itself gave exp(-x) * dy there (1e3 for BCE's 1e12)
+    model = Probabilities(scale=40.0)
+    x, y = _batch(1024, seed=3)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    for m in (eager, wrapped):
+        F.binary_cross_entropy(m(x), y).backward()
+    ge = eager.fc.weight.grad
+    go = dict(wrapped.named_parameters())["fc.weight"].grad
+    assert torch.isfinite(go).all()
+    assert_close(go, ge, 1e-4, "fc.weight.grad")
+
+
+def test_silu_and_gates_keep_onnxruntimes_sigmoid():
+    # read only through Mul into a MatMul: absolute error is all that matters, no extra nodes
+    graph = _graph(SiluMLP(), torch.randn(4, 32))
+    sigmoids = [n for n in graph if n.op_type == "Sigmoid"]
+    assert sigmoids and precise_sigmoid(graph) == 0
+    x, _ = _batch()
+    train_side_by_side(SiluMLP(), [(x,)], lambda loss, b: loss, rtol=1e-4, steps=2)
+
+
+def test_marks_reach_through_value_keeping_ops_and_lower_to_exact_values():
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.log(torch.sigmoid(x).reshape(-1).clamp(min=1e-30) * 2)
+
+    graph = _graph(M(), torch.randn(4, 8))
+    assert precise_sigmoid(graph) == 1
+    assert [n.metadata_props.get(PRECISE_KEY) for n in graph if n.op_type == "Sigmoid"] == [str(int(ir.DataType.FLOAT))]
+    assert precise_sigmoid(graph) == 0  # marked once
+    model = ir.to_proto(ir.Model(graph, ir_version=10))
+    lowered = lower_precise(model)
+    assert not [n for n in lowered.graph.node if n.op_type == "Sigmoid"]
+    assert [n for n in model.graph.node if n.op_type == "Sigmoid"]  # the input model is unchanged
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = torch.linspace(-100, 30, 32).reshape(4, 8)
+    (y,) = s.run(None, {s.get_inputs()[0].name: x.numpy()})
+    assert torch.allclose(torch.from_numpy(y), M()(x), rtol=1e-6, atol=0)
+
+
+def test_onnx_file_with_log_of_sigmoid_trains_at_eagers_numbers():
+    model = FocalLoss()
+    x, y = _batch(256)
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x, y), buf, dynamo=False, opset_version=13, input_names=["x", "y"],
+                          output_names=["loss"])
+    om = OnnxModule(onnx.load_from_string(buf.getvalue()))
+    loss_o = om(x, y)
+    loss_e = model(x, y)
+    assert_close(loss_o, loss_e, 1e-5, "loss")
+    loss_o.backward()
+    loss_e.backward()
+    grads = {name: p.grad for name, p in om.named_parameters()}
+    assert_close(grads["fc_weight"], model.fc.weight.grad, 1e-4, "fc.weight.grad")
+
+
+def _graph(module: nn.Module, x: torch.Tensor) -> ir.Graph:
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), buf, dynamo=False, opset_version=17)
+    return ir.from_proto(onnx.load_from_string(buf.getvalue())).graph
