@@ -1,4 +1,4 @@
-"""The parity sweep: 175 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 189 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -264,6 +264,27 @@ CASES = {
     "log_of_sigmoid_eps": ("X2", lambda x: torch.log(torch.sigmoid(x * 8) + 1e-9)),
     "over_sigmoid": ("X2", lambda x: x.flip(0) / torch.sigmoid(x * 6)),
     "expit_rsqrt": ("X2", lambda x: torch.rsqrt(torch.special.expit(x * 5))),
+    # NOTE [stable logsigmoid] inside an ATen composite, and softplus's gradient read relatively
+    "multilabel_soft_margin": ("X2", lambda x: F.multilabel_soft_margin_loss(x * 30, (x.flip(0) > 0).float(),
+                                                                            reduction="none")),
+    "log_of_softplus": ("X2", lambda x: torch.log(F.softplus(x * 10))),
+    # NOTE [log of softmax]: ORT's softmax underflows from a gap of ~87, eager's (denormals) from ~104
+    "entropy_of_softmax": ("X2", lambda x: -(F.softmax(torch.cat([x, x[:, :4] - 95], -1), -1)
+                                             * torch.log(F.softmax(torch.cat([x, x[:, :4] - 95], -1), -1))).sum(-1)),
+    # NOTE [erfc as torch]: 1 - erf(x) has no tail
+    "log_erfc": ("X2", lambda x: torch.log(torch.erfc(x * 4))),
+    "erfcx": ("X2", lambda x: torch.special.erfcx(x * 4)),
+    "log_ndtr": ("X2", lambda x: torch.special.log_ndtr(x * 5)),
+    "log_of_ndtr": ("X2", lambda x: torch.log(torch.special.ndtr(x * 4))),
+    # NOTE [zero std]: sqrt(var)'s gradient at a constant row is 0 * inf
+    "std_zero_rows": ("Z2", lambda x: (x * (x > 10)).std(-1)),
+    "std_mean_zero_rows": ("Z2", lambda x: torch.stack(torch.std_mean(x * (x > 10), -1, correction=0))),
+    "std_keepdim_normalise": ("Z2", lambda x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-5)),
+    # NOTE [beta zero]: beta=0 ignores the input, NaN included
+    "baddbmm_beta0": ("X2", lambda x: torch.baddbmm(torch.full((1, 64, 64), float("nan")), x[None], x.T[None],
+                                                    beta=0, alpha=0.125)),
+    "addmm_beta0": ("X2", lambda x: torch.addmm(torch.full((64, 64), float("inf")), x, x.T, beta=0)),
+    "addmv_beta0": ("X2", lambda x: torch.addmv(torch.full((64,), float("nan")), x, x[0], beta=0)),
 }
 
 

@@ -152,6 +152,48 @@ def test_onnx_file_with_log_of_sigmoid_trains_at_eagers_numbers():
     assert_close(grads["fc_weight"], model.fc.weight.grad, 1e-4, "fc.weight.grad")
 
 
+def test_log_of_softmax_is_finite_and_exact_past_the_underflow():
+    # a gap of 95 between logits: ORT's softmax gave 0 there (log: -inf, entropy NaN); eager keeps a
+    # denormal (its log is ~0.04 off); as LogSoftmax the value is float64's
+    class Entropy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            logits = torch.cat([logits, logits[:, :4] - 95.0], -1)
+            return torch.log(F.softmax(logits, -1))
+
+    model = Entropy()
+    x, _ = _batch(256, 16)
+    wrapped = ORTModule(copy.deepcopy(model))
+    out = wrapped(x)
+    reference = copy.deepcopy(model).double()
+    exact = reference(x.double())
+    assert torch.isfinite(out).all()
+    assert_close(out, exact.float(), 1e-6, "log(softmax)")
+    out.sum().backward()
+    exact.sum().backward()
+    grads = dict(wrapped.named_parameters())
+    assert_close(grads["fc.weight"].grad, reference.fc.weight.grad.float(), 1e-5, "fc.weight.grad")
+
+
+def test_log_of_sigmoid_inside_an_aten_composite_is_stable():
+    # multilabel_soft_margin_loss calls logsigmoid from C++: the exporters wrote log(sigmoid(-110)) = -inf,
+    # times a zero target: NaN
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x, y):
+            return F.multilabel_soft_margin_loss(self.fc(x) * 60, y)
+
+    x, y = _batch()
+    train_side_by_side(Head(), [(x, y)], lambda loss, b: loss, rtol=1e-4, steps=3)
+
+
 def _graph(module: nn.Module, x: torch.Tensor) -> ir.Graph:
     buf = io.BytesIO()
     with warnings.catch_warnings():

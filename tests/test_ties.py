@@ -147,9 +147,11 @@ EDGE_CASES = {
                                                                          "mean"),
     "scatter_reduce_amax": lambda x: torch.zeros(256, 5).scatter_reduce(1, torch.arange(32).repeat(256, 1) % 5, x,
                                                                          "amax", include_self=False),
+    "log_erfc_tail": lambda x: torch.log(torch.erfc(x.clamp(max=9.0))),  # NOTE [erfc as torch]
+    "log_ndtr_tail": lambda x: torch.special.log_ndtr(x),
 }
 _TORCH_ONLY = {"cdist_zero_distance", "atan2_at_origin", "sinc_at_zero", "avg_pool_divisor_override",
-               "scatter_reduce_mean", "scatter_reduce_amax"}
+               "scatter_reduce_mean", "scatter_reduce_amax", "log_erfc_tail", "log_ndtr_tail"}
 
 
 class Edge(nn.Module):

@@ -112,12 +112,18 @@ _FEATURE_DROPOUTS = {F.dropout1d: 3, F.dropout2d: None, F.dropout3d: 5}  # -> th
 _HARDTANHS = {F.hardtanh, F.relu6, F.hardtanh_}
 
 
+_ERFC_TAILS = {torch.erfc, torch.Tensor.erfc, torch.special.erfc, torch.special.erfcx, torch.special.ndtr,
+               torch.special.log_ndtr}
+
+
 def _torch_only(func, args, kwargs) -> str | None:
     """Why the ONNX form of this call is not torch's (NOTE [as torch]), or None."""
     if func in (torch.topk, torch.Tensor.topk):
         return "ONNX TopK orders tied values lowest index first, torch its own way"
     if func in (torch.cdist, torch.atan2, torch.Tensor.atan2, torch.arctan2, torch.sinc, torch.Tensor.sinc):
         return "its ONNX form has NaN gradients at exact zeros where torch's are finite"
+    if func in _ERFC_TAILS:  # NOTE [erfc as torch] (torch_calls.py)
+        return "its ONNX form is 1 - erf(x), with no digits left in the tail (erfc(4) = 0, log of it -inf)"
     if func is F.avg_pool2d and (args[6] if len(args) > 6 else kwargs.get("divisor_override")) is not None:
         return "ONNX AveragePool has no divisor_override"
     if func is F.embedding and (args[5] if len(args) > 5 else kwargs.get("scale_grad_by_freq", False)):
@@ -453,6 +459,53 @@ def _binary_cross_entropy(func, args, kwargs):
     return loss.sum() if b["reduction"] == "sum" else loss
 
 
+_STD = {torch.std: torch.var, torch.Tensor.std: torch.Tensor.var, torch.std_mean: torch.var_mean}
+
+
+def _std(func, args, kwargs):
+    """NOTE [zero std]: the exporters write std as sqrt(var), whose gradient at a constant row is
+    0 * inf: NaN where eager's std backward gives 0 (it masks a zero std; a padded or dead row in a
+    hand-written normalisation). The same call to var (std and var take the same arguments), and
+    its square root with the masked gradient: ``sg(s) + (v - sg(v)) * sg(where(s == 0, 0, 1 / 2s))``."""
+    out = _STD[func](*args, **kwargs)
+    v, mean = out if func is torch.std_mean else (out, None)
+    s = torch.sqrt(stop_gradient(v))
+    slope = torch.where(s == 0, torch.zeros_like(s), 0.5 / s)
+    std = s + (v - stop_gradient(v)) * stop_gradient(slope)
+    return std if mean is None else (std, mean)
+
+
+# f(input, a, b, beta, alpha) = beta * input + alpha * product(a, b)
+_BETA_TERMS = {
+    torch.baddbmm: torch.bmm, torch.Tensor.baddbmm: torch.bmm,
+    torch.addbmm: lambda a, b: torch.bmm(a, b).sum(0), torch.Tensor.addbmm: lambda a, b: torch.bmm(a, b).sum(0),
+    torch.addmm: torch.mm, torch.Tensor.addmm: torch.mm,
+    torch.addmv: torch.mv, torch.Tensor.addmv: torch.mv,
+    torch.addr: torch.outer, torch.Tensor.addr: torch.outer,
+}
+
+
+def _without_beta_term(func, args, kwargs):
+    """NOTE [beta zero]: with ``beta=0`` torch ignores ``input``, NaN and inf included (HF attention
+    fills ``torch.empty`` by ``baddbmm(empty, q, k, beta=0)``); the exporters write ``0 * input``,
+    NaN where it holds NaN. Written as the product alone (plus ``0 * input`` where the input needs a
+    gradient, which eager gives as zeros)."""
+    names = ("input", "a", "b")
+    b = {"beta": 1, "alpha": 1}
+    b.update(zip(names, args))
+    b.update(kwargs)
+    if len(args) > 3 or set(b) - {*names, "beta", "alpha"} or not isinstance(b.get("beta"), (int, float)) \
+            or b["beta"] != 0 or not all(isinstance(b.get(k), torch.Tensor) for k in names):
+        return NOT_REWRITTEN
+    out = _BETA_TERMS[func](b["a"], b["b"])
+    if b["alpha"] != 1:
+        out = out * b["alpha"]
+    out = torch.broadcast_to(out, torch.broadcast_shapes(out.shape, b["input"].shape))
+    if b["input"].requires_grad:
+        out = out + 0 * b["input"]
+    return out.to(torch.result_type(b["input"], out)) if b["input"].dtype != out.dtype else out
+
+
 def _correction(exact: torch.Tensor, naive: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     # only |x| < 1 loses digits to 1 + x or exp(x) - 1; further out the naive value is as good, and
     # the exact forms read log() of a denormal exp(x) (x < -87), which onnxruntime takes as zero
@@ -607,6 +660,12 @@ class _Base(TorchFunctionMode):
             return _logaddexp(*args, base2=func in (torch.logaddexp2, torch.Tensor.logaddexp2))
         if func in _BCE:
             out = _binary_cross_entropy(func, args, kwargs)
+            if out is not NOT_REWRITTEN:
+                return out
+        if func in _STD:
+            return _std(func, args, kwargs)
+        if func in _BETA_TERMS:
+            out = _without_beta_term(func, args, kwargs)
             if out is not NOT_REWRITTEN:
                 return out
         if self.watch is not None and self.watch.jit:

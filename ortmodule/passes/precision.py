@@ -64,6 +64,60 @@ def _read_relatively(graph: ir.Graph, y: ir.Value) -> bool:
     return False
 
 
+def mark_precise(node: ir.Node, dtype: ir.DataType | None) -> None:
+    """Have the sessions run Sigmoid ``node`` exactly (NOTE [precise sigmoid]), if of a float dtype."""
+    if dtype in _PRECISE_TYPES:
+        node.metadata_props[PRECISE_KEY] = str(int(dtype))  # the proto has no types
+
+
+def stable_logs(graph: ir.Graph) -> int:
+    """Write ``Log(Sigmoid(x))`` as ``-Softplus(-x)`` and ``Log(Softmax(x))`` as ``LogSoftmax(x)``.
+
+    # NOTE [stable logsigmoid] (export/semantics.py): both exporters write logsigmoid as the log of
+    # the sigmoid, which even exact is -inf below x ~ -104 (float32) where torch's is x. A direct
+    # ``F.logsigmoid`` is rewritten at trace time, but composites call it from ATen
+    # (``F.multilabel_soft_margin_loss``: NaN where a target is 0 and the logit ~ 110), and ONNX
+    # files carry the same pair.
+    # NOTE [log of softmax]: ``torch.log(F.softmax(x, -1))`` (entropy and KL terms written by hand)
+    # is -inf where a probability underflows, from a gap of ~87 in ORT (it keeps fewer denormals
+    # than torch: 353 -inf of 1024 at logit scale 40 where eager had 223); as LogSoftmax it is finite
+    # and eager's wherever eager's is finite. Where eager's underflows too (gaps over ~104) ours is
+    # the finite value, as for the log of an underflowing sigmoid: a -inf eager can only propagate.
+    # The Sigmoid or Softmax stays where something else reads it.
+    """
+    changed = 0
+    for log in list(graph):
+        if log.op_type != "Log" or log.domain not in ("", "ai.onnx"):
+            continue
+        inner = log.inputs[0].producer() if log.inputs[0] is not None else None
+        if inner is None or inner.op_type not in ("Sigmoid", "Softmax") or inner.domain not in ("", "ai.onnx"):
+            continue
+        x = inner.inputs[0]
+        if x is None or x.dtype not in _PRECISE_TYPES:
+            continue
+        base = log.name or "Log"
+        if inner.op_type == "Sigmoid":
+            steps = (("Neg", "minus", ()), ("Softplus", "softplus", ()), ("Neg", "log_sigmoid", ()))
+        else:
+            steps = (("LogSoftmax", "log_softmax", [a for a in inner.attributes.values() if a.name == "axis"]),)
+        nodes: list[ir.Node] = []
+        for op, name, attrs in steps:
+            n = ir.Node("", op, [nodes[-1].outputs[0] if nodes else x], list(attrs), name=f"{base}/{name}",
+                        metadata_props=dict(log.metadata_props))
+            n.outputs[0].dtype, n.outputs[0].shape = x.dtype, log.outputs[0].shape or x.shape
+            nodes.append(n)
+        graph.insert_before(log, nodes)
+        (y,) = log.outputs
+        y.replace_all_uses_with(nodes[-1].outputs[0], replace_graph_outputs=True)
+        name = y.name
+        graph.remove(log, safe=True)
+        nodes[-1].outputs[0].name = name
+        if not inner.outputs[0].uses() and inner.outputs[0] not in graph.outputs:
+            graph.remove(inner, safe=True)
+        changed += 1
+    return changed
+
+
 def precise_sigmoid(graph: ir.Graph) -> int:
     """Mark the Sigmoids whose value is read relatively (NOTE [precise sigmoid]); the sessions run them
     as :func:`lower_precise` writes them, and their gradient stays eager's ``y (1 - y)`` of that value."""
@@ -73,7 +127,7 @@ def precise_sigmoid(graph: ir.Graph) -> int:
                 or node.inputs[0] is None or node.inputs[0].dtype not in _PRECISE_TYPES):
             continue
         if _read_relatively(graph, node.outputs[0]):
-            node.metadata_props[PRECISE_KEY] = str(int(node.inputs[0].dtype))  # the proto has no types
+            mark_precise(node, node.inputs[0].dtype)
             changed += 1
     return changed
 

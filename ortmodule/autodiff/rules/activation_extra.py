@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from ...passes.precision import mark_precise
 from ..registry import GRAD_KIND_KEY, GradBuilder, attr, input_or_none, register
 from .elementwise import defunary
 
@@ -87,7 +88,11 @@ def _hard_swish_grad(g: GradBuilder, x, y, dy):
 
 
 def _softplus_grad(g: GradBuilder, x, y, dy):
-    return g.mul(dy, g.op("Sigmoid", [x]))
+    # sigmoid(x), exact in relative terms: log(softplus(x)) (a learnt scale's log) divides by the tiny
+    # softplus of a very negative x (NOTE [precise sigmoid])
+    s = g.op("Sigmoid", [x])
+    mark_precise(s.producer(), x.dtype)
+    return g.mul(dy, s)
 
 
 def _softsign_grad(g: GradBuilder, x, y, dy):  # 1 / (1 + |x|)^2
