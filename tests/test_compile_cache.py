@@ -197,6 +197,7 @@ def test_an_unwritable_folder_is_no_error(tmp_path):
     assert om.stats.disk_cache_stores == 0 and om.stats.exports == 1
 
 
+@pytest.mark.processes  # starts Python processes: the CI step of its own
 def test_fingerprint_is_the_same_in_every_process():
     """str hashes are randomised per process: a fingerprint that depended on them would never hit."""
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import transformers as t; "
@@ -220,6 +221,7 @@ def _result(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.processes  # starts Python processes: the CI step of its own
 def test_fresh_processes_load_what_the_first_built_and_train_alike(tmp_path):
     """A cold process, then two started at once on the warm folder: the warm ones export nothing,
     and every process trains bit-identically to the cold one and to eager within rounding."""
@@ -237,6 +239,7 @@ def test_fresh_processes_load_what_the_first_built_and_train_alike(tmp_path):
         assert c["max_param_diff"] < 1e-4
 
 
+@pytest.mark.processes  # starts Python processes: the CI step of its own
 def test_processes_starting_at_once_build_each_entry_once(tmp_path):
     """NOTE [persistent cache]: the entry's lock makes the second process wait and load."""
     results = [_result(p) for p in [_worker(tmp_path), _worker(tmp_path)]]

@@ -4,6 +4,8 @@ language-model training matches eager PyTorch."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -230,3 +232,29 @@ def test_lm_saves_neither_log_probs_nor_a_copy_of_the_logits():
     assert len(big) == 1, big  # the user's logits, nothing else of that size
     (logits_name,) = big
     assert any(n.op_type == "Reshape" and n.input[0] == logits_name for n in backward.node)
+
+
+@pytest.mark.parametrize("ce", [{}, {"label_smoothing": 0.1}, {"weight": torch.linspace(0.5, 1.5, V)}])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_batch_with_every_label_ignored_keeps_eagers_zero_gradient(ce, return_logits):
+    """NOTE [all ignored]: the loss of a batch whose labels are all -100 is 0/0 = NaN in eager too, but
+    eager's gradient is 0 and AdamW's step stays finite; ours was NaN, and so was every weight after it."""
+    torch.manual_seed(0)
+    model = TinyLM(tied=True, ce=ce, return_logits=return_logits)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, wrapped)]
+    batches = _lm_batches(3)
+    batches[1] = (batches[1][0], torch.full_like(batches[1][1], -100))
+    for step, (ids, labels) in enumerate(batches):
+        losses = []
+        for m, opt in zip((eager, wrapped), opts):
+            opt.zero_grad()
+            out = m(ids, labels)
+            loss = out[0] if return_logits else out
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.isnan(losses[0]) == torch.isnan(losses[1]) == (step == 1)
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert torch.isfinite(po).all(), f"{name} after step {step}"
+            assert torch.allclose(po, pe, rtol=1e-4, atol=1e-6), f"{name} after step {step}"

@@ -1,4 +1,4 @@
-"""The parity sweep: 189 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 191 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -280,6 +280,9 @@ CASES = {
     "std_zero_rows": ("Z2", lambda x: (x * (x > 10)).std(-1)),
     "std_mean_zero_rows": ("Z2", lambda x: torch.stack(torch.std_mean(x * (x > 10), -1, correction=0))),
     "std_keepdim_normalise": ("Z2", lambda x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-5)),
+    # NOTE [all ignored]: eager's loss is 0/0 = NaN, its gradient 0
+    "ce_all_ignored": ("X2", lambda x: F.cross_entropy(x, torch.full((64,), -100))),
+    "ce_all_ignored_spatial": ("X4", lambda x: F.cross_entropy(x, torch.full((4, 15, 13), 7), ignore_index=7)),
     # NOTE [beta zero]: beta=0 ignores the input, NaN included
     "baddbmm_beta0": ("X2", lambda x: torch.baddbmm(torch.full((1, 64, 64), float("nan")), x[None], x.T[None],
                                                     beta=0, alpha=0.125)),
