@@ -66,12 +66,26 @@ def _contents(v: Any) -> tuple | None:
     return tuple([(k, x) for k, x in items if _atomic(x) and _atomic(k)])
 
 
+def _tensor_key(v: torch.Tensor) -> tuple:
+    if isinstance(v, nn.Parameter):  # bound afresh on every call; the optimizer writes it in place
+        return ("id", id(v))
+    """NOTE [tensor constants]: a plain tensor attribute or global (not a parameter or buffer: a
+    ``self.scale = torch.ones(4)`` that was never registered) is a constant of the graph, copied at
+    export time; written in place afterwards (``model.scale.mul_(3)``, ``MASK[:, 0] = 0``) eager reads
+    the new values and the graph kept the old ones. Its version counter (bumped by every in-place
+    write) joins the key, so a write drops the graphs like a changed attribute. A forward that writes
+    one itself, or one that needs a gradient (a tensor made with requires_grad=True, not an
+    nn.Parameter), falls back naming it (ortmodule/module.py): a graph constant has no writes and no
+    gradient."""
+    return ("tensor", id(v), v._version)
+
+
 def _value_key(v: Any, seen: dict[int, tuple | None]) -> Any:
     if isinstance(v, _ATOMIC):
         return v
     if isinstance(v, torch.Tensor):
         # a result kept on the module (``model.loss = ...``) is not an input of forward
-        return None if v.grad_fn is not None else ("id", id(v))
+        return None if v.grad_fn is not None else _tensor_key(v)
     if type(v) is tuple and all(isinstance(x, _ATOMIC) for x in v):
         return v
     key = id(v)
@@ -88,6 +102,14 @@ def _module_key(m: nn.Module, seen: dict[int, tuple | None]) -> tuple:
                    if k not in _SKIP])
     return (id(m), attrs, tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]), tuple(d["_backward_hooks"]),
             tuple(d["_backward_pre_hooks"]))
+
+
+def plain_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """(path, tensor, version) of every plain tensor attribute of ``module``'s submodules: not a
+    parameter or buffer, and not a result with a grad_fn (NOTE [tensor constants])."""
+    return [(f"{name}.{k}" if name else k, v, v._version) for name, m in module.named_modules()
+            for k, v in m.__dict__.items()
+            if k not in _SKIP and isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.grad_fn is None]
 
 
 def atomic_attributes(module: nn.Module) -> dict[tuple[int, str], Any]:
@@ -149,7 +171,7 @@ def _global_names(fn, cls: type | None, depth: int, found: dict, seen: set) -> N
                     if isinstance(v, types.FunctionType):
                         if depth < _MAX_CALL_DEPTH:
                             _global_names(v, None, depth + 1, found, seen)
-                    elif v is not _MISSING and (_atomic(v) or type(v) in (dict, list)):
+                    elif v is not _MISSING and (_atomic(v) or type(v) in (dict, list) or isinstance(v, torch.Tensor)):
                         found[(id(g), ins.argval)] = (g, ins.argval)
                 elif cls is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and depth < _MAX_CALL_DEPTH:
                     method = inspect.getattr_static(cls, ins.argval, None)
@@ -173,6 +195,8 @@ def _global_reads(classes: frozenset) -> tuple:
 
 
 def _global_key(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):  # NOTE [tensor constants]
+        return _tensor_key(v)
     if type(v) is dict:
         return ("dict", tuple(v.items())) if len(v) <= _SMALL and all(_atomic(x) for x in v.values()) else ("id", id(v))
     if type(v) is list:

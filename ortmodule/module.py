@@ -26,7 +26,7 @@ from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .function import ORTFunction, write_back
-from .guards import atomic_attributes, find_change, put_back_attributes, snapshot
+from .guards import atomic_attributes, find_change, plain_tensors, put_back_attributes, snapshot
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
 from .runtime import disk_cache
@@ -109,6 +109,40 @@ def _no_gc_pauses() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _put_back_tensors(tensors: list, saved: list) -> list[str]:
+    """Undo the trace's in-place writes into plain tensor attributes; return their paths."""
+    written = [(path, t, s) for (path, t, version), s in zip(tensors, saved) if t._version != version]
+    with torch.no_grad():
+        for _, t, s in written:
+            t.copy_(s)
+    return [path for path, _, _ in written]
+
+
+def _refuse_grad_leaves(module: nn.Module, tensors: list) -> ExportError | None:
+    """NOTE [tensor constants] (guards.py): a plain tensor attribute made with ``requires_grad=True``
+    (not an nn.Parameter) is a constant of the graph, which has no gradient for it (the TorchScript
+    tracer refuses it outright): the module falls back, naming it."""
+    leaves = [path for path, t, _ in tensors if t.requires_grad]
+    if not leaves:
+        return None
+    return ExportError(f"{type(module).__name__} holds the tensor attribute(s) {leaves} with requires_grad=True "
+                       "that are not nn.Parameters: a compiled graph holds them as constants, without a gradient. "
+                       "Wrap them in nn.Parameter (NOTE [tensor constants])")
+
+
+def _refuse_written_tensors(module: nn.Module, entry, tensors: list, saved: list):
+    """NOTE [tensor constants] (guards.py): a plain tensor attribute the forward writes in place (a
+    counter or memory kept as ``self.count = torch.zeros(())``) was written by the trace as well as by
+    eager's run after a fallback (twice on the first call), and a graph cannot replay the write: the
+    trace's writes are undone and the signature falls back, naming the attribute."""
+    written = _put_back_tensors(tensors, saved)
+    if not written or isinstance(entry, ORTModuleError):
+        return entry
+    return ExportError(f"{type(module).__name__}.forward writes the plain tensor attribute(s) {written} in place; a "
+                       "compiled graph holds them as constants and cannot replay the write. Register them with "
+                       "register_buffer (NOTE [tensor constants])")
 
 
 class ORTModule(nn.Module):
@@ -305,15 +339,25 @@ class ORTModule(nn.Module):
             fresh = entry is None  # verify mode checks a new graph's first call (ortmodule/verify.py)
             if entry is None:
                 attrs = atomic_attributes(module)
+                tensors = plain_tensors(module)
+                saved = [t.detach().clone() for _, t, _ in tensors]
+                refused = _refuse_grad_leaves(module, tensors)
+                if refused is not None and self._options.fallback is FallbackPolicy.RAISE:
+                    raise refused
                 self._call = _CallTraces(attrs)
                 try:
-                    entry = self._compile_or_fallback(sig, flat, params, param_names, buffers, buffer_names,
-                                                      needs_grad)
+                    entry = refused or self._compile_or_fallback(sig, flat, params, param_names, buffers,
+                                                                 buffer_names, needs_grad)
                 except BaseException:
                     put_back_attributes(module, attrs)  # nothing ran: nothing was written
+                    _put_back_tensors(tensors, saved)
                     raise
                 finally:
                     self._call = None
+                refused = _refuse_written_tensors(module, entry, tensors, saved)
+                if refused is not entry and self._options.fallback is FallbackPolicy.RAISE:
+                    raise refused
+                entry = refused
                 if isinstance(entry, ORTModuleError):
                     put_back_attributes(module, attrs)  # the eager forward below makes the writes, once
                 if not isinstance(entry, ORTModuleError):

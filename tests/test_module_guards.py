@@ -286,3 +286,91 @@ def test_counter_moves_once_when_a_call_traces_twice():
                 outs.append(m(x).detach())
             assert wrapped.module.step == eager.step == call + 1, f"call {call}"
             assert_close(outs[1], outs[0], 1e-6, f"output of call {call}")
+
+
+# NOTE [tensor constants]: plain tensor attributes and globals (not parameters, not buffers).
+MASK = torch.ones(16)
+
+
+class PlainTensors(nn.Module):
+    """Tensors kept as plain attributes, as models written without register_buffer do."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.kind = kind
+        self.scale = torch.linspace(0.5, 2.0, 16)  # never registered
+        self.count = torch.zeros(())
+        if kind == "grad_leaf":
+            self.temperature = torch.ones((), requires_grad=True)  # meant as a parameter
+
+    def forward(self, x):
+        h = self.lin(x) * self.scale
+        if self.kind == "global":
+            h = h * MASK
+        elif self.kind == "counter":
+            with torch.no_grad():
+                self.count += 1  # a memory the user forgot to register
+            h = h * self.count
+        elif self.kind == "grad_leaf":
+            h = h / self.temperature
+        return h.tanh()
+
+
+def _step_both(eager, wrapped, x):
+    outs = []
+    for m in (eager, wrapped):
+        m.zero_grad(set_to_none=True)
+        y = m(x)
+        y.pow(2).sum().backward()
+        outs.append(y.detach())
+    assert_close(outs[1], outs[0], 1e-6, "output")
+    assert_close(wrapped.lin.weight.grad, eager.lin.weight.grad, 1e-5, "lin.weight.grad")
+
+
+def test_plain_tensor_attribute_written_between_calls_reexports():
+    # before: the graph kept the export-time values of self.scale (and of a global tensor)
+    torch.manual_seed(0)
+    model = PlainTensors("global")
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(64, 16)
+    _step_both(eager, wrapped, x)
+    with torch.no_grad():
+        eager.scale.mul_(3.0)
+        wrapped.module.scale.mul_(3.0)
+    _step_both(eager, wrapped, x)
+    MASK[::2] = 0.0
+    try:
+        _step_both(eager, wrapped, x)
+        _step_both(eager, wrapped, x)
+    finally:
+        MASK.fill_(1.0)
+    assert wrapped.stats.exports == 3 and wrapped.stats.fallbacks == 0
+
+
+def test_plain_tensor_attribute_written_by_the_forward_falls_back_and_counts_once():
+    # before: the trace wrote the counter, then the fallback's eager run wrote it again (2 after one call)
+    import pytest
+
+    torch.manual_seed(0)
+    model = PlainTensors("counter")
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(64, 16)
+    with pytest.warns(UserWarning, match=r"module\.count is mutated|attribute\(s\) \['count'\] in place"):
+        for call in range(3):
+            _step_both(eager, wrapped, x)
+            assert float(wrapped.module.count) == float(eager.count) == call + 1
+
+
+def test_tensor_attribute_that_requires_grad_falls_back_and_gets_its_gradient():
+    # before: a constant of the graph, so temperature.grad stayed None (TorchScript: a raw tracer error)
+    import pytest
+
+    torch.manual_seed(0)
+    model = PlainTensors("grad_leaf")
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    x = torch.randn(64, 16)
+    with pytest.warns(UserWarning, match=r"\['temperature'\] with requires_grad=True"):
+        _step_both(eager, wrapped, x)
+    assert wrapped.module.temperature.grad is not None
+    assert_close(wrapped.module.temperature.grad, eager.temperature.grad, 1e-5, "temperature.grad")
