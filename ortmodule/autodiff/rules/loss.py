@@ -38,18 +38,20 @@ def _per_sample_coefficient(g: GradBuilder, node: ir.Node, scores: ir.Value, lab
     if reduction == "mean":
         if w is not None:
             denom = g.op("ReduceSum", [w], {"keepdims": 0}, dtype=dtype)
+            # NOTE [all ignored]: a batch whose labels are all ignore_index (a chunk of padding, an MLM
+            # batch with nothing masked) has loss 0/0 = NaN in eager too, but eager's gradient is 0 (its
+            # backward writes only the kept samples' entries); dloss * 0 / 0 made ours NaN, and the
+            # optimizer step then NaN every weight. A zero total weight divides by 1 (every sample's
+            # weight is 0 then). A Div, not a Where on the coefficient: the zero-gradient
+            # specialisation (passes/zero_grads.py) still sees the coefficient as dloss's multiple.
+            one = g.const(1.0, dtype)
+            denom = g.op("Where", [g.op("Equal", [denom, g.const(0.0, dtype)]), one, denom], dtype=dtype)
         else:
             denom = g.op("Cast", [g.op("Size", [labels])], {"to": int(dtype)}, dtype=dtype)
         coef = g.op("Div", [coef, denom], dtype=dtype)
     if w is None or reduction != "none":
         # Broadcast a scalar coefficient to one per sample.
         coef = g.op("Expand", [coef, g.op("Shape", [labels])], dtype=dtype)
-    if valid is not None and reduction == "mean":
-        # NOTE [all ignored]: a batch whose labels are all ignore_index (a chunk of padding, an MLM
-        # batch with nothing masked) has loss 0/0 = NaN in eager too, but eager's gradient is 0 (its
-        # backward writes only the kept samples' entries); 0 * dloss / 0 made it NaN, and the
-        # optimizer step then NaN every weight. Ignored samples get exactly 0.
-        coef = g.op("Where", [valid, coef, g.const(0.0, dtype)], dtype=dtype)
     return g.op("Unsqueeze", [coef, g.ints([1])], dtype=dtype), safe
 
 
