@@ -19,7 +19,7 @@ from torch import nn
 
 from ortmodule import ORTModule
 
-from .helpers import assert_close
+from .helpers import TORCH_EXPORT, assert_close
 
 B, D = 64, 96
 
@@ -350,3 +350,28 @@ def test_draw_specs_keep_their_order_and_kind():
     kinds = [type(s).__name__ for s in entry.exported.masks]
     assert kinds == ["MaskSpec", "RandomSpec", "MaskSpec"]
     assert math.isclose(entry.exported.masks[2].p, 0.4)
+
+
+class LearnedCoin(nn.Module):
+    """A keep probability read only through torch.bernoulli: eager gives its logit a zero gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.logit = nn.Parameter(torch.zeros(D))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * torch.bernoulli(torch.sigmoid(self.logit).expand_as(h))
+
+
+@pytest.mark.skipif(not TORCH_EXPORT, reason="the TorchScript exporter folds the zero term away (None, not zeros)")
+def test_probabilities_read_only_by_bernoulli_get_zero_gradients():
+    # before: logit.grad was None where eager's is zeros, so AdamW's weight decay skipped the logit
+    torch.manual_seed(0)
+    model = LearnedCoin()
+    wrapped = ORTModule(copy.deepcopy(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _steps(model, wrapped, [torch.randn(B, D) for _ in range(2)])
+    assert wrapped.logit.grad is not None and not wrapped.logit.grad.any()

@@ -178,10 +178,16 @@ def random_call(semantics, func, args, kwargs):
         b = dict(zip(names, args))
         b.update({k: v for k, v in kwargs.items() if k != "generator"})
         x, p = b["input"], b.get("p")
-        if p is None:  # bernoulli(probabilities): uniform < p, contiguous as eager's result
-            u = draw(tuple(x.shape), x.dtype, "uniform_", (), x.device, None)
-            return stop_gradient((u < x).to(x.dtype))
-        return draw(tuple(x.shape), x.dtype, "bernoulli_", (_concrete(p),), x.device, _memory_order(x))
+        if p is not None:
+            return draw(tuple(x.shape), x.dtype, "bernoulli_", (_concrete(p),), x.device, _memory_order(x))
+        # bernoulli(probabilities): uniform < p, contiguous as eager's result
+        u = draw(tuple(x.shape), x.dtype, "uniform_", (), x.device, None)
+        out = stop_gradient((u < x).to(x.dtype))
+        if x.requires_grad:
+            # eager's backward gives the probabilities a gradient of zeros (not None: an optimizer's
+            # weight decay and moments still step a parameter read only here)
+            out = out + (x - stop_gradient(x)) * 0
+        return out
     if func is torch.normal:
         return _normal(draw, stop_gradient, args, kwargs)
     if func is F.gumbel_softmax:
