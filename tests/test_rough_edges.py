@@ -3,6 +3,7 @@ a fallback or a call that raised."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -62,3 +63,29 @@ def test_torch_compile_of_the_wrapper_is_a_clean_graph_break():
     for pe, po in zip(eager.parameters(), wrapped.parameters()):
         assert torch.allclose(po.grad, pe.grad, rtol=1e-5, atol=1e-6)
     assert wrapped.stats.exports == 1 and wrapped.stats.fallbacks == 0
+
+
+def test_embedding_with_max_norm_falls_back_naming_it_and_renormalises_once():
+    """Before: a fallback that named an AssertionError deep in torch.export's decomposition."""
+
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 16, max_norm=1.0)
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.out(self.emb(ids))
+
+    torch.manual_seed(0)
+    eager = Lookup()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 50, (8, 12))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for m in (eager, wrapped):
+                m(ids).square().sum().backward()
+    assert any("max_norm" in str(w.message) for w in caught)
+    assert torch.equal(wrapped.module.emb.weight, eager.emb.weight)  # renormalised once per call
+    assert torch.allclose(wrapped.module.out.weight.grad, eager.out.weight.grad)

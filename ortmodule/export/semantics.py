@@ -728,6 +728,10 @@ class _Base(TorchFunctionMode):
         names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
         b = dict(zip(names, args))
         b.update(kwargs)
+        if b.get("max_norm") is not None:
+            raise UnsupportedTrace(
+                "an embedding with max_norm (nn.Embedding(max_norm=...)) renormalises the looked-up rows of its "
+                "weight in place on every call, a write into a parameter that a compiled graph cannot replay")
         idx = b["input"]
         if isinstance(idx, torch.Tensor) and not idx.is_floating_point():
             # NOTE [negative ids]: ONNX Gather reads -1 as the last row, torch's embedding raises
