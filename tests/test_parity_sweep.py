@@ -1,4 +1,4 @@
-"""The parity sweep: 191 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 190 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
