@@ -18,10 +18,21 @@ graph reads them relatively.
 # form instead gave 1e3 where eager's is 0: y rounds to 1 where exp(-x) does not vanish), and the
 # node is written out where a model becomes a session (runtime/session.py), so the forward, a
 # recomputation in the backward and the no-grad graph all run the same precise form.
+
+# NOTE [float64 kernels]: onnxruntime's CPU Gelu(approximate='tanh') computes float64 inputs at
+# float32 precision (2e-7 relative against torch's 1e-13; a test model's gradients 1e-8 off), and
+# Selu's alpha and gamma are float attributes (3.3e-8 relative off on every output). A float64 model
+# (scientific ML) got float32 numbers without a word: both are marked by a forward pass and written
+# out at session creation in torch's form with double constants; Selu's gradient rule takes the
+# double constants too. Float64 ops onnxruntime has no kernel for (Erf, Softplus, Atan, ...)
+# fail the session and fall back, naming the op.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -141,10 +152,18 @@ def lower_precise(model: onnx.ModelProto) -> onnx.ModelProto:
     out.CopyFrom(model)
     nodes: list[onnx.NodeProto] = []
     for node in out.graph.node:
-        if node.op_type != "Sigmoid" or not any(p.key == PRECISE_KEY for p in node.metadata_props):
+        written = _WRITTEN_OUT.get(node.op_type)
+        if written is None or not any(p.key == PRECISE_KEY for p in node.metadata_props):
             nodes.append(node)
             continue
-        nodes.extend(_sigmoid_nodes(node, next(int(p.value) for p in node.metadata_props if p.key == PRECISE_KEY)))
+        dtype = next(int(p.value) for p in node.metadata_props if p.key == PRECISE_KEY)
+        new = written(node, dtype)
+        props = {p.key: p.value for p in node.metadata_props if p.key != PRECISE_KEY}
+        for i, n in enumerate(new):
+            n.name = f"{node.name or node.op_type}/precise/{i}"
+            if props:
+                onnx.helper.set_metadata_props(n, props)
+        nodes.extend(new)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
@@ -157,7 +176,6 @@ def _sigmoid_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
     make = onnx.helper.make_node
     one = onnx.helper.make_tensor(f"{base}/one", dtype, [], [1.0])
     zero = onnx.helper.make_tensor(f"{base}/zero", dtype, [], [0.0])
-    props = {p.key: p.value for p in node.metadata_props if p.key != PRECISE_KEY}
     nodes = [
         make("Constant", [], [f"{base}/one"], value=one),
         make("Constant", [], [f"{base}/zero"], value=zero),
@@ -170,7 +188,75 @@ def _sigmoid_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
         make("Div", [f"{base}/exp", f"{base}/one_plus_exp"], [f"{base}/negative_half"]),
         make("Where", [f"{base}/negative", f"{base}/negative_half", f"{base}/positive_half"], [y]),
     ]
-    for i, n in enumerate(nodes):
-        n.name = f"{node.name or 'Sigmoid'}/precise/{i}"
-        onnx.helper.set_metadata_props(n, props) if props else None
     return nodes
+
+
+def _const(name: str, dtype: int, value: float) -> onnx.NodeProto:
+    return onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(name, dtype, [], [value]))
+
+
+def _gelu_tanh_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
+    # torch's form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+    (x,), (y,) = node.input, node.output
+    b = f"{y}/precise"
+    make = onnx.helper.make_node
+    return [
+        _const(f"{b}/kappa", dtype, 0.044715), _const(f"{b}/beta", dtype, math.sqrt(2.0 / math.pi)),
+        _const(f"{b}/one", dtype, 1.0), _const(f"{b}/half", dtype, 0.5),
+        make("Mul", [x, x], [f"{b}/x2"]), make("Mul", [f"{b}/x2", x], [f"{b}/x3"]),
+        make("Mul", [f"{b}/x3", f"{b}/kappa"], [f"{b}/kx3"]), make("Add", [x, f"{b}/kx3"], [f"{b}/inner"]),
+        make("Mul", [f"{b}/inner", f"{b}/beta"], [f"{b}/scaled"]), make("Tanh", [f"{b}/scaled"], [f"{b}/t"]),
+        make("Add", [f"{b}/t", f"{b}/one"], [f"{b}/t1"]), make("Mul", [x, f"{b}/half"], [f"{b}/hx"]),
+        make("Mul", [f"{b}/hx", f"{b}/t1"], [y]),
+    ]
+
+
+_SELU_ALPHA, _SELU_GAMMA = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def selu_constants(alpha: float | None, gamma: float | None) -> tuple[float, float]:
+    """Selu's (alpha, gamma) from its float attributes: torch's double constants where the
+    attributes are those rounded to float (NOTE [float64 kernels])."""
+    alpha = _SELU_ALPHA if alpha is None or np.float32(alpha) == np.float32(_SELU_ALPHA) else alpha
+    gamma = _SELU_GAMMA if gamma is None or np.float32(gamma) == np.float32(_SELU_GAMMA) else gamma
+    return float(alpha), float(gamma)
+
+
+def _selu_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
+    # gamma * (x if x > 0 else alpha * expm1(x)), with torch's double constants where the (float)
+    # attributes are theirs rounded, and expm1(x) = (u - 1) x / log(u), u = exp(x), for |x| < 1
+    attrs = {a.name: a.f for a in node.attribute}
+    alpha, gamma = selu_constants(attrs.get("alpha"), attrs.get("gamma"))
+    (x,), (y,) = node.input, node.output
+    b = f"{y}/precise"
+    make = onnx.helper.make_node
+    return [
+        _const(f"{b}/alpha", dtype, alpha), _const(f"{b}/gamma", dtype, gamma), _const(f"{b}/zero", dtype, 0.0),
+        _const(f"{b}/one", dtype, 1.0),
+        make("Exp", [x], [f"{b}/u"]), make("Sub", [f"{b}/u", f"{b}/one"], [f"{b}/naive"]),
+        make("Log", [f"{b}/u"], [f"{b}/lu"]), make("Div", [f"{b}/naive", f"{b}/lu"], [f"{b}/ratio"]),
+        make("Mul", [f"{b}/ratio", x], [f"{b}/exact"]), make("Abs", [x], [f"{b}/ax"]),
+        make("Less", [f"{b}/ax", f"{b}/one"], [f"{b}/small"]), make("Equal", [f"{b}/u", f"{b}/one"], [f"{b}/flat"]),
+        make("Where", [f"{b}/small", f"{b}/exact", f"{b}/naive"], [f"{b}/em1_"]),
+        make("Where", [f"{b}/flat", x, f"{b}/em1_"], [f"{b}/em1"]),
+        make("Mul", [f"{b}/em1", f"{b}/alpha"], [f"{b}/neg"]), make("Greater", [x, f"{b}/zero"], [f"{b}/pos"]),
+        make("Where", [f"{b}/pos", x, f"{b}/neg"], [f"{b}/v"]), make("Mul", [f"{b}/v", f"{b}/gamma"], [y]),
+    ]
+
+
+_WRITTEN_OUT = {"Sigmoid": _sigmoid_nodes, "Gelu": _gelu_tanh_nodes, "Selu": _selu_nodes}
+
+
+def precise_double_kernels(graph: ir.Graph) -> int:
+    """Mark float64 Gelu(tanh) and Selu nodes to be written out (NOTE [float64 kernels])."""
+    changed = 0
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or PRECISE_KEY in node.metadata_props or not node.inputs \
+                or node.inputs[0] is None or node.inputs[0].dtype != ir.DataType.DOUBLE:
+            continue
+        approximate = node.attributes.get("approximate")
+        if node.op_type == "Selu" or (node.op_type == "Gelu" and approximate is not None
+                                      and approximate.value == "tanh"):
+            mark_precise(node, ir.DataType.DOUBLE)
+            changed += 1
+    return changed

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ...passes.precision import mark_precise
+from ...passes.precision import mark_precise, selu_constants
 from ..registry import GRAD_KIND_KEY, GradBuilder, attr, input_or_none, register
 from .elementwise import defunary
 
@@ -47,8 +47,7 @@ def elu_grad(g: GradBuilder, node: ir.Node, dys):
 @register("Selu")
 def selu_grad(g: GradBuilder, node: ir.Node, dys):
     (x,), (y,), dy = node.inputs, node.outputs, dys[0]
-    alpha = attr(node, "alpha", 1.67326319217681884765625)
-    gamma = attr(node, "gamma", 1.05070102214813232421875)
+    alpha, gamma = selu_constants(attr(node, "alpha"), attr(node, "gamma"))  # NOTE [float64 kernels]
     # x <= 0: y = gamma alpha (e^x - 1), dy/dx = y + gamma alpha
     neg = g.mul(dy, g.add(y, _c(g, gamma * alpha, y)))
     return [_where(g, _positive(g, x), g.mul(dy, _c(g, gamma, x)), neg, x)]
