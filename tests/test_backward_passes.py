@@ -1,5 +1,5 @@
 """Backward-model passes other than the label fold: Sum lowered to Adds (NOTE [sum as adds]), scatters onto
-zeros folded into the sum (NOTE [scatter into the sum])."""
+zeros folded into the sum (NOTE [scatter into the sum]), sums over leading axes chained (NOTE [chained sums])."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ortmodule.passes.backward import lower_sums
+from ortmodule.passes.backward import lower_sums, split_leading_sums
 
 
 def _model(nodes, inputs, output="y"):
@@ -101,3 +101,36 @@ def test_scatter_nd_add_is_not_folded():
     model = _scatter_sum_model(op="ScatterND")
     assert lower_sums(model) == 1
     assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "ScatterND", "Add", "Add"]
+
+
+def test_leading_axes_sums_are_chained_one_axis_at_a_time():
+    """NOTE [chained sums]: ReduceSum over (batch, seq) of [batch, seq, hidden] as a sum over seq, then
+    batch: same values (closer to float64's), keepdims kept; other reductions are left alone."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((16, 512, 64)) + 0.3).astype(np.float32)
+    ints = lambda name, v: helper.make_node(  # noqa: E731
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(v)], v))
+    nodes = [
+        ints("lead", [1, 0]), ints("lead3", [0, 1, 2]), ints("inner", [0, 2]),
+        helper.make_node("ReduceSum", ["x", "lead"], ["a"], keepdims=0),
+        helper.make_node("ReduceSum", ["x", "lead"], ["b"], keepdims=1),
+        helper.make_node("ReduceSum", ["x", "lead3"], ["c"], keepdims=0),
+        helper.make_node("ReduceSum", ["x", "inner"], ["d"], keepdims=0),  # not leading: kept
+        helper.make_node("Concat", ["a", "b_flat", "c_1", "d"], ["y"], axis=0),
+        ints("flat", [-1]), ints("one", [1]),
+        helper.make_node("Reshape", ["b", "flat"], ["b_flat"]),
+        helper.make_node("Reshape", ["c", "one"], ["c_1"]),
+    ]
+    model = _model(nodes, [("x", list(x.shape))])
+    expected = _run(model, {"x": x})
+    assert split_leading_sums(model) == 3
+    sums = [n for n in model.graph.node if n.op_type == "ReduceSum"]
+    assert len(sums) == 2 + 2 + 3 + 1
+    got = _run(model, {"x": x})
+    exact = x.astype(np.float64)
+    a = exact.sum((0, 1))
+    reference = np.concatenate([a, a, [exact.sum()], exact.sum((0, 2))])
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    err_before = np.abs(expected[:64] - reference[:64]).max() / np.abs(reference[:64]).max()
+    err_after = np.abs(got[:64] - reference[:64]).max() / np.abs(reference[:64]).max()
+    assert err_after < 1e-6 and err_after <= err_before, (err_before, err_after)
