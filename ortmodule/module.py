@@ -111,6 +111,9 @@ def _no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
+_CHANGES_WARNED = 3
+
+
 def _put_back_tensors(tensors: list, saved: list) -> list[str]:
     """Undo the trace's in-place writes into plain tensor attributes; return their paths."""
     written = [(path, t, s) for (path, t, version), s in zip(tensors, saved) if t._version != version]
@@ -155,7 +158,7 @@ class ORTModule(nn.Module):
     # NOTE [own attributes]: every other attribute set on the wrapper goes to the wrapped module.
     _own_attrs = frozenset({"_original_module", "_entries", "_built", "_exports", "_dynamic", "_first_seen", "_stats",
                             "_options", "_lock", "_warned", "_guard", "_exported_guard", "_call",
-                            "_recheck"})
+                            "_recheck", "_changes"})
 
     def __init__(
         self,
@@ -217,6 +220,7 @@ class ORTModule(nn.Module):
         self._recheck: set = set()  # signatures whose trace changed module attributes (NOTE [side effects])
         self._guard: tuple | None = None  # NOTE [module guards]: the last call's snapshot
         self._exported_guard: tuple | None = None  # ... and the one the compiled graphs stand for
+        self._changes = 0  # module changes that dropped the compiled graphs
 
     # NOTE [pickling]: sessions cannot be pickled or deep-copied; a copy keeps the module and the
     # options and rebuilds its graphs on first use.
@@ -334,6 +338,15 @@ class ORTModule(nn.Module):
                     logger.info("module changed (%s): compiled graphs dropped, exporting again", change)
                     self.clear_cache()
                     self._exported_guard = None
+                    self._changes += 1
+                    if self._changes == _CHANGES_WARNED:
+                        # NOTE [module guards]: each change is a new export (seconds); one made every
+                        # step (a tensor attribute filled in place, a flag flipped) would be silent slowness
+                        warnings.warn(
+                            f"ORTModule: {type(module).__name__} changed between calls {self._changes} times "
+                            f"(last: {change}); each change drops the compiled graphs and exports again. "
+                            "Register tensors the forward reads with register_buffer (they are then inputs) "
+                            "and keep flags fixed while training", UserWarning, stacklevel=user_stacklevel())
                 self._guard = guard
             entry = self._entries.get(sig)
             fresh = entry is None  # verify mode checks a new graph's first call (ortmodule/verify.py)

@@ -346,6 +346,14 @@ def test_plain_tensor_attribute_written_between_calls_reexports():
     finally:
         MASK.fill_(1.0)
     assert wrapped.stats.exports == 3 and wrapped.stats.fallbacks == 0
+    # a third change: each one is an export, which a change on every step would make silently slow
+    import pytest
+
+    with torch.no_grad():
+        eager.scale.add_(1.0)
+        wrapped.module.scale.add_(1.0)
+    with pytest.warns(UserWarning, match=r"changed between calls 3 times .*register_buffer"):
+        _step_both(eager, wrapped, x)
 
 
 def test_plain_tensor_attribute_written_by_the_forward_falls_back_and_counts_once():
