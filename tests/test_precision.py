@@ -261,11 +261,13 @@ def _graph(module: nn.Module, x: torch.Tensor) -> ir.Graph:
     return ir.from_proto(onnx.load_from_string(buf.getvalue())).graph
 
 
-@pytest.mark.parametrize("act", ["gelu_tanh", "selu"])
+@pytest.mark.parametrize("act", ["gelu_tanh", "selu", "log_sigmoid"])
 def test_float64_kernels_keep_float64_precision(act):
     # NOTE [float64 kernels]: before, ORT's Gelu(tanh) computed float64 at float32 precision (2e-7
     # relative; gradients 1e-8 off) and Selu fell back (its float alpha/gamma: 3.3e-8 off)
-    fn = {"gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "selu": F.selu}[act]
+    # log(sigmoid) in float64: the precise Sigmoid (onnxruntime's has no float64 Softplus for the stable form)
+    fn = {"gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "selu": F.selu,
+          "log_sigmoid": lambda h: torch.log(torch.sigmoid(h * 10))}[act]
 
     class Net(nn.Module):
         def __init__(self) -> None:
