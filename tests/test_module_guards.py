@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,6 +45,7 @@ def _step(eager: nn.Module, wrapped: ORTModule, x: torch.Tensor, what: str) -> N
         assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad after {what}")
 
 
+@pytest.mark.filterwarnings("ignore:ORTModule.*changed between calls")  # it changes the module on purpose
 def test_attribute_submodule_hook_and_forward_changes_reexport():
     torch.manual_seed(0)
     model = Branchy()
@@ -172,8 +174,6 @@ class Annealed(nn.Module):
 def test_attribute_counted_on_every_call_falls_back_and_matches_eager():
     """NOTE [side effects]: before, the graph kept the traced temperature and (torch.export puts attributes
     back after its trace) the counter never moved: outputs off from the second call on, no warning."""
-    import pytest
-
     torch.manual_seed(0)
     model = Annealed()
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
@@ -347,8 +347,6 @@ def test_plain_tensor_attribute_written_between_calls_reexports():
         MASK.fill_(1.0)
     assert wrapped.stats.exports == 3 and wrapped.stats.fallbacks == 0
     # a third change: each one is an export, which a change on every step would make silently slow
-    import pytest
-
     with torch.no_grad():
         eager.scale.add_(1.0)
         wrapped.module.scale.add_(1.0)
@@ -358,8 +356,6 @@ def test_plain_tensor_attribute_written_between_calls_reexports():
 
 def test_plain_tensor_attribute_written_by_the_forward_falls_back_and_counts_once():
     # before: the trace wrote the counter, then the fallback's eager run wrote it again (2 after one call)
-    import pytest
-
     torch.manual_seed(0)
     model = PlainTensors("counter")
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
@@ -372,8 +368,6 @@ def test_plain_tensor_attribute_written_by_the_forward_falls_back_and_counts_onc
 
 def test_tensor_attribute_that_requires_grad_falls_back_and_gets_its_gradient():
     # before: a constant of the graph, so temperature.grad stayed None (TorchScript: a raw tracer error)
-    import pytest
-
     torch.manual_seed(0)
     model = PlainTensors("grad_leaf")
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
