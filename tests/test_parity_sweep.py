@@ -1,4 +1,4 @@
-"""The parity sweep: 190 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
+"""The parity sweep: 201 torch functions on inputs where ONNX forms and torch's kernels part ways (exact
 ties, kink values, zeros, whole zero rows, extremes, -inf rows), each trained one step in ORTModule and
 in eager PyTorch. Whatever ortmodule does with a function (an ONNX op and its rule, a torch node, a
 fallback) the output and the gradients must be eager's: this is the table the probes of stop 27 found
@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import distributions as D
 
 from ortmodule import ORTModule
 
@@ -283,6 +284,33 @@ CASES = {
     # NOTE [all ignored]: eager's loss is 0/0 = NaN, its gradient 0
     "ce_all_ignored": ("X2", lambda x: F.cross_entropy(x, torch.full((64,), -100))),
     "ce_all_ignored_spatial": ("X4", lambda x: F.cross_entropy(x, torch.full((4, 15, 13), 7), ignore_index=7)),
+    # torch.distributions (validate_args=False: the check reads values into Python) at wide parameters
+    "normal_log_prob": ("X2", lambda x: D.Normal(x, F.softplus(x.flip(0) * 10) + 1e-6, validate_args=False)
+                        .log_prob(x.roll(1, 0))),
+    "normal_entropy_cdf": ("X2", lambda x: D.Normal(x, F.softplus(x.flip(0) * 10) + 1e-6, validate_args=False)
+                           .entropy() + D.Normal(0.0, 1.0, validate_args=False).cdf(x * 6)),
+    "laplace_cauchy_log_prob": ("X2", lambda x: D.Laplace(x, x.abs() + 0.1, validate_args=False).log_prob(x.flip(0))
+                                + D.Cauchy(x, x.abs() + 0.1, validate_args=False).log_prob(x.flip(0))),
+    "studentt_log_prob": ("X2", lambda x: D.StudentT(x.abs() + 0.5, x, x.flip(0).abs() + 0.1, validate_args=False)
+                          .log_prob(x.roll(1, 0))),
+    "gamma_beta_log_prob": ("X2", lambda x: D.Gamma(x.abs() + 0.1, x.flip(0).abs() + 0.1, validate_args=False)
+                            .log_prob(x.roll(1, 0).abs() + 1e-3)
+                            + D.Beta(x.abs() + 0.1, x.flip(0).abs() + 0.1, validate_args=False)
+                            .log_prob(torch.sigmoid(x.roll(1, 0) * 3))),
+    "poisson_log_prob": ("X2", lambda x: D.Poisson(x.abs() * 10 + 1e-3, validate_args=False)
+                         .log_prob(torch.arange(16.0).expand(64, 16))),
+    "bernoulli_log_prob_entropy": ("X2", lambda x: D.Bernoulli(logits=x * 30, validate_args=False)
+                                   .log_prob((x.flip(0) > 0).float())
+                                   + D.Bernoulli(logits=x * 30, validate_args=False).entropy()),
+    "categorical_log_prob_entropy": ("X2", lambda x: D.Categorical(logits=x * 40, validate_args=False)
+                                     .log_prob(torch.arange(64) % 16)
+                                     + D.Categorical(logits=x * 40, validate_args=False).entropy()),
+    "dirichlet_log_prob": ("X2", lambda x: D.Dirichlet(x.abs() + 0.1, validate_args=False)
+                           .log_prob(F.softmax(x.flip(0), -1))),
+    "kl_normal": ("X2", lambda x: D.kl_divergence(D.Normal(x, x.abs() + 0.01, validate_args=False),
+                                                  D.Normal(x.flip(0), x.flip(0).abs() + 0.01, validate_args=False))),
+    "mvn_log_prob": ("X2", lambda x: D.MultivariateNormal(x[:, :4], scale_tril=torch.eye(4) * 0.5, validate_args=False)
+                     .log_prob(x[:, 4:8])),
     # NOTE [beta zero]: beta=0 ignores the input, NaN included
     "baddbmm_beta0": ("X2", lambda x: torch.baddbmm(torch.full((1, 64, 64), float("nan")), x[None], x.T[None],
                                                     beta=0, alpha=0.125)),
