@@ -67,8 +67,6 @@ def _contents(v: Any) -> tuple | None:
 
 
 def _tensor_key(v: torch.Tensor) -> tuple:
-    if isinstance(v, nn.Parameter):  # bound afresh on every call; the optimizer writes it in place
-        return ("id", id(v))
     """NOTE [tensor constants]: a plain tensor attribute or global (not a parameter or buffer: a
     ``self.scale = torch.ones(4)`` that was never registered) is a constant of the graph, copied at
     export time; written in place afterwards (``model.scale.mul_(3)``, ``MASK[:, 0] = 0``) eager reads
@@ -77,6 +75,8 @@ def _tensor_key(v: torch.Tensor) -> tuple:
     one itself, or one that needs a gradient (a tensor made with requires_grad=True, not an
     nn.Parameter), falls back naming it (ortmodule/module.py): a graph constant has no writes and no
     gradient."""
+    if isinstance(v, nn.Parameter):  # bound afresh on every call; the optimizer writes it in place
+        return ("id", id(v))
     return ("tensor", id(v), v._version)
 
 

@@ -76,7 +76,7 @@ def _read_relatively(graph: ir.Graph, y: ir.Value) -> bool:
 
 
 def mark_precise(node: ir.Node, dtype: ir.DataType | None) -> None:
-    """Have the sessions run Sigmoid ``node`` exactly (NOTE [precise sigmoid]), if of a float dtype."""
+    """Have the sessions run ``node`` in its written-out form (``lower_precise``), if of a float dtype."""
     if dtype in _PRECISE_TYPES:
         node.metadata_props[PRECISE_KEY] = str(int(dtype))  # the proto has no types
 
@@ -146,8 +146,8 @@ def precise_sigmoid(graph: ir.Graph) -> int:
 
 
 def lower_precise(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its marked Sigmoids written out (NOTE [precise sigmoid]); ``model`` itself where
-    none is marked. The outputs keep their names."""
+    """``model`` with its marked nodes written out (Sigmoid: NOTE [precise sigmoid]; float64 Gelu and
+    Selu: NOTE [float64 kernels]); ``model`` itself where none is marked. The outputs keep their names."""
     if not any(p.key == PRECISE_KEY for n in model.graph.node for p in n.metadata_props):
         return model
     out = onnx.ModelProto()
@@ -176,11 +176,8 @@ def _sigmoid_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
     (x,), (y,) = node.input, node.output
     base = f"{y}/precise"
     make = onnx.helper.make_node
-    one = onnx.helper.make_tensor(f"{base}/one", dtype, [], [1.0])
-    zero = onnx.helper.make_tensor(f"{base}/zero", dtype, [], [0.0])
-    nodes = [
-        make("Constant", [], [f"{base}/one"], value=one),
-        make("Constant", [], [f"{base}/zero"], value=zero),
+    return [
+        _const(f"{base}/one", dtype, 1.0), _const(f"{base}/zero", dtype, 0.0),
         make("Less", [x, f"{base}/zero"], [f"{base}/negative"]),
         make("Neg", [x], [f"{base}/minus"]),
         make("Where", [f"{base}/negative", x, f"{base}/minus"], [f"{base}/minus_abs"]),
@@ -190,7 +187,6 @@ def _sigmoid_nodes(node: onnx.NodeProto, dtype: int) -> list[onnx.NodeProto]:
         make("Div", [f"{base}/exp", f"{base}/one_plus_exp"], [f"{base}/negative_half"]),
         make("Where", [f"{base}/negative", f"{base}/negative_half", f"{base}/positive_half"], [y]),
     ]
-    return nodes
 
 
 def _const(name: str, dtype: int, value: float) -> onnx.NodeProto:
