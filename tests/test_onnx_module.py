@@ -469,3 +469,89 @@ def test_composes_inside_a_torch_model():
     assert_close(combined[0].fc1_weight.grad, eager[0].fc1.weight.grad, 1e-5, "fc1.weight grad")
     assert_close(combined[1].weight.grad, eager[1].weight.grad, 1e-5, "head grad")
     assert "0.fc1_weight" in combined.state_dict()
+
+
+# -- vision decoders: Resize, DepthToSpace, ReduceProd ---------------------------------------------------
+class Decoder(nn.Module):
+    """A segmentation decoder as vision files have it: nearest, bilinear and bicubic upsampling (Resize),
+    pixel_shuffle (DepthToSpace) and a product of gates (ReduceProd), per-pixel cross entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.sub = nn.Conv2d(16, 16, 3, padding=1)
+        self.gate = nn.Linear(16, 15)
+        self.out = nn.Conv2d(16, 5, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        near = nn.functional.interpolate(h[:, :4], scale_factor=2, mode="nearest")
+        bil = nn.functional.interpolate(h[:, 4:8], scale_factor=2, mode="bilinear", align_corners=False)
+        cub = nn.functional.interpolate(h[:, 8:12], scale_factor=2, mode="bicubic", align_corners=False)
+        ps = nn.functional.pixel_shuffle(self.sub(h)[:, :16], 2)[:, :4]
+        logits = self.out(torch.cat([near, bil, cub, ps], 1))
+        gates = torch.prod(torch.sigmoid(self.gate(h.mean((2, 3)))).view(-1, 5, 3), -1)
+        return logits * gates[:, :, None, None]
+
+
+def _export_dynamo(model: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(model, (x,), dynamo=True, verbose=False,
+                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
+    return prog.model_proto
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_vision_decoder_file_with_resize_trains_like_eager(exporter):
+    """NOTE [resize adjoint]: the files' Resize (nearest, linear, cubic at scale 2, where onnxruntime and
+    torch resample alike), DepthToSpace and ReduceProd train at eager's numbers: outputs, every gradient
+    and the parameters after AdamW steps, at 32x32 with 8 images and then a batch of another size."""
+    torch.manual_seed(0)
+    model = Decoder()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8, 32, 32))
+    file = _export(model, x[:2]) if exporter == "torchscript" else _export_dynamo(model, x[:2])
+    ops = {n.op_type for n in file.graph.node}
+    assert {"Resize", "DepthToSpace", "ReduceProd"} <= ops, ops
+    eager, om = _train_pair(model, x, y, nn.functional.cross_entropy, onnx_model=file)
+    x2, y2 = torch.randn(3, 3, 32, 32), torch.randint(0, 5, (3, 32, 32))
+    for m in (eager, om):
+        m.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(m(x2), y2).backward()
+    assert_close(om(x2), eager(x2), RTOL, "output at batch 3")
+    for name, pe in eager.named_parameters():
+        assert_close(_param(om, name).grad, pe.grad, RTOL, f"{name}.grad at batch 3")
+
+
+def _nearest_resize(x_shape, out_shape, extra_nodes=(), inits=()) -> onnx.ModelProto:
+    sizes = numpy_helper.from_array(np.array(out_shape, dtype=np.int64), "sizes")
+    src = "h" if extra_nodes else "x"
+    resize = helper.make_node("Resize", [src, "", "", "sizes"], ["y"], mode="nearest",
+                              coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    graph = helper.make_graph([*extra_nodes, resize], "r",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], [*inits, sizes])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_resize_gradient_is_the_adjoint_of_onnxruntimes_resize():
+    """Sizes where ORT's nearest picks other pixels than torch's (6 -> 74 and 2 -> 82, NOTE [upsample as
+    torch]): the gradient
+    follows the file's own forward, <Resize(x), v> = <x, dx(v)>, not torch's."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((1, 3, 6, 2)).astype(np.float32), "w")
+    om = OnnxModule(_nearest_resize([2, 3, 6, 2], [2, 3, 74, 82], [helper.make_node("Add", ["x", "w"], ["h"])], [w]))
+    y = om(torch.randn(2, 3, 6, 2))
+    v = torch.randn_like(y)
+    (y * v).sum().backward()
+    # dW = J^T (v summed over the batch), J probed one input position at a time by a plain InferenceSession
+    sess = ort.InferenceSession(_nearest_resize([1, 3, 6, 2], [1, 3, 74, 82]).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    v1 = v.sum(0, keepdim=True).double().numpy()
+    eye = np.eye(3 * 6 * 2, dtype=np.float32)
+    want = np.array([(sess.run(None, {"x": e.reshape(1, 3, 6, 2)})[0] * v1).sum() for e in eye]).reshape(1, 3, 6, 2)
+    np.testing.assert_allclose(_param(om, "w").grad.double().numpy(), want, rtol=1e-5, atol=1e-5)
+    # torch's upsampling sends part of it elsewhere at these sizes: the check can tell the two apart
+    t_w = torch.zeros(1, 3, 6, 2, dtype=torch.float64, requires_grad=True)
+    up = nn.functional.interpolate(t_w.expand(2, -1, -1, -1), size=(74, 82), mode="nearest")
+    (up * v.double()).sum().backward()
+    assert not np.allclose(t_w.grad.numpy(), want, rtol=1e-5, atol=1e-5)

@@ -128,6 +128,8 @@ def _torch_only(func, args, kwargs) -> str | None:
         return "ONNX AveragePool has no divisor_override"
     if func is F.embedding and (args[5] if len(args) > 5 else kwargs.get("scale_grad_by_freq", False)):
         return "ONNX has no embedding gradient scaled by the indices' frequency"
+    if func in (F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear):  # NOTE [upsample as torch]
+        return "ONNX Resize picks other source pixels than torch's upsampling for some sizes"
     if func in (torch.scatter_reduce, torch.Tensor.scatter_reduce) \
             and (args[4] if len(args) > 4 else kwargs.get("reduce")) != "sum":
         return "ONNX ScatterElements has no exact form of this reduction and its gradient"

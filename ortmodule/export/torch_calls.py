@@ -127,6 +127,16 @@ def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
 # NOTE [erfc as torch]: erfc and the normal tails (special.erfcx, ndtr, log_ndtr) are written from
 # 1 - erf(x): erfc(3) came out 0.1% off, erfc(4) 0 for 1.5e-8, so log(erfc(x)) was -inf from about 3.9
 # and erfcx / log_ndtr NaN where torch's are finite. ONNX has no erfc; torch's kernel it is.
+# NOTE [upsample as torch]: torch's upsampling kernels and ONNX Resize (torchlib's translation) do
+# not pick the same source pixels: nearest resizing of 1..39 pixels to 1..99 chose another pixel in
+# 97 of those 3861 size pairs (torch computes src = floor(dst * (in / out)) in float, onnxruntime
+# dst / (out / in)), and the antialiased filters differ outright. So upsampling stays a torch node
+# (eager's pixels and gradients); Resize's own rule (autodiff/rules/resample.py) serves ONNX files.
+_UPSAMPLE = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+             "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+             "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+
+
 def _reduce_arg(node) -> str | None:
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("reduce")  # scatter_reduce.two
 
@@ -150,6 +160,8 @@ _AS_TORCH = {
                                else None),
     "scatter_reduce": lambda node: (f"scatter_reduce '{_reduce_arg(node)}' has no exact ONNX form"
                                     if _reduce_arg(node) != "sum" else None),
+    **dict.fromkeys(_UPSAMPLE, lambda node: "ONNX Resize picks other source pixels than torch's upsampling "
+                                            "for some sizes (NOTE [upsample as torch])"),
 }
 
 

@@ -25,7 +25,8 @@ How a row becomes a test
   ``torch_fn`` gets every entry of ``case.inputs`` in order, as torch tensors (``None`` stays
   ``None``; const inputs such as shapes or axes come as int64 tensors, use ``.tolist()``), and
   returns a tensor or a tuple with one tensor per ONNX output.
-* FD check (float64, independent of torch): floating-point inputs are cast to float64, the model is
+* FD check (float64, independent of torch): floating-point inputs (but ``case.fd_keep_dtype``,
+  e.g. Resize's float32 scales) are cast to float64, the model is
   rebuilt, and both the forward and the joint model run in ``onnx.reference.ReferenceEvaluator``.
   With a random direction ``u`` over the checked inputs, ``<J u, v>`` (central differences with step
   ``case.fd_eps``) must match ``<u, J^T v>`` (the gradient graph) within ``case.fd_rtol``, relative to
@@ -364,13 +365,13 @@ class Erf(OpRunUnaryNum):
 _PRECISE_OPS = [Erf]
 
 
-def _as_float64(inputs: Sequence[np.ndarray | None]) -> list[np.ndarray | None]:
-    return [a.astype(np.float64) if _is_float(a) else a for a in inputs]
+def _as_float64(inputs: Sequence[np.ndarray | None], keep: Sequence[int] = ()) -> list[np.ndarray | None]:
+    return [a.astype(np.float64) if _is_float(a) and i not in keep else a for i, a in enumerate(inputs)]
 
 
 def check_finite_differences(case: OpCase) -> None:
     """float64 check <J u, v> ~= <u, J^T v>: central differences vs. the gradient graph."""
-    inputs = _as_float64(case.inputs)
+    inputs = _as_float64(case.inputs, case.fd_keep_dtype)
     built = _build(case, inputs, prune=True)
     try:
         fwd = onnx.reference.ReferenceEvaluator(built.forward, new_ops=_PRECISE_OPS)

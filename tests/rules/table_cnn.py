@@ -35,6 +35,7 @@ def _distinct(*shape: int) -> np.ndarray:
 #   output_shape exceeds the minimal unpooled shape (a pooling remainder): it indexes the smaller one.
 # * GlobalMaxPool reduces the wrong axes unless the input is 4-D.
 # * Pad rejects negative pads.
+# * Resize does not know coordinate_transformation_mode 'tf_half_pixel_for_nn'.
 
 
 def _onnx_flat_indices(idx: torch.Tensor, spatial: int, column_major_hw: tuple[int, int] | None = None):
@@ -259,4 +260,123 @@ CASES: list[OpCase] = [
            lambda x, r, t: F.dropout(x, 0.0, training=True), const_inputs=(1, 2),
            xfail="a training Dropout without a mask output has no gradient rule: the export must "
                  "request the mask (GradientRuleError)"),
+]
+
+
+# -- Resize, DepthToSpace, SpaceToDepth ----------------------------------------------------------------
+# NOTE [resize adjoint] (autodiff/rules/resample.py): the gradient is probed from the node's own Resize,
+# so every row checks it against torch's gradient (where torch resamples the same way) and against
+# the float64 finite differences of onnx's reference Resize.
+def _f32(*v) -> np.ndarray:
+    return np.array(v, dtype=np.float32)
+
+
+def _interp(**kw):
+    return lambda x, *_: F.interpolate(x, **kw)
+
+
+def _ort_resize(attrs: dict, x_shape, extra: list, opset: int = 20):
+    """Y = J x with J onnxruntime's own Resize applied to every one-hot input: the reference for the
+    configurations torch resamples another way (antialias, rounding and coordinate modes)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    names = ["x"] + [f"c{i}" if e is not None else "" for i, e in enumerate(extra)]
+    inits = [numpy_helper.from_array(e, f"c{i}") for i, e in enumerate(extra) if e is not None]
+    node = helper.make_node("Resize", names, ["y"], **attrs)
+    graph = helper.make_graph([node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    n = int(np.prod(x_shape))
+    cols = [sess.run(None, {"x": np.eye(n, dtype=np.float32)[i].reshape(x_shape)})[0] for i in range(n)]
+    out_shape = cols[0].shape
+    jac = torch.from_numpy(np.stack([c.reshape(-1) for c in cols], axis=1))  # [out, in]
+    return lambda x, *_: (jac @ x.reshape(-1)).reshape(out_shape)
+
+
+_NEAREST = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+_LINEAR = {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}
+_RESIZE_CASES = [
+    OpCase("Resize", "Resize_nearest_scales2", [_r(2, 3, 4, 5), None, _f32(1, 1, 2, 2)],
+           _interp(scale_factor=2, mode="nearest"), _NEAREST, const_inputs=(2,), fd_keep_dtype=(2,)),
+    OpCase("Resize", "Resize_nearest_sizes_3x", [_r(2, 3, 4, 5), None, None, np.array([2, 3, 12, 15])],
+           _interp(size=(12, 15), mode="nearest"), _NEAREST, const_inputs=(3,)),
+    OpCase("Resize", "Resize_nearest_downsample", [_r(2, 3, 8, 6), None, None, np.array([2, 3, 4, 3])],
+           _interp(size=(4, 3), mode="nearest"), _NEAREST, const_inputs=(3,)),
+    OpCase("Resize", "Resize_linear_sizes_odd", [_r(2, 3, 4, 5), None, None, np.array([2, 3, 13, 11])],
+           _interp(size=(13, 11), mode="bilinear"), _LINEAR, const_inputs=(3,)),
+    OpCase("Resize", "Resize_linear_align_corners", [_r(2, 3, 4, 5), None, _f32(1, 1, 1.5, 1.5)],
+           _interp(scale_factor=1.5, mode="bilinear", align_corners=True),
+           {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, const_inputs=(2,),
+           fd_keep_dtype=(2,)),
+    OpCase("Resize", "Resize_linear_downsample", [_r(2, 3, 9, 8), None, None, np.array([2, 3, 5, 3])],
+           _interp(size=(5, 3), mode="bilinear"), _LINEAR, const_inputs=(3,)),
+    # torch's antialias filter differs from ONNX's: the reference is onnxruntime's own Jacobian
+    OpCase("Resize", "Resize_linear_antialias_down", [_r(2, 3, 9, 8), None, None, np.array([2, 3, 4, 3])],
+           _ort_resize({**_LINEAR, "antialias": 1}, [2, 3, 9, 8], [None, None, np.array([2, 3, 4, 3])], 18),
+           {**_LINEAR, "antialias": 1}, const_inputs=(3,), opset=18),
+    OpCase("Resize", "Resize_cubic_antialias_exclude_outside",
+           [_r(1, 2, 9, 7), None, _f32(1, 1, 0.6, 0.5)],
+           _ort_resize({"mode": "cubic", "antialias": 1, "exclude_outside": 1, "cubic_coeff_a": -0.5},
+                       [1, 2, 9, 7], [None, _f32(1, 1, 0.6, 0.5)], 18),
+           {"mode": "cubic", "antialias": 1, "exclude_outside": 1, "cubic_coeff_a": -0.5}, const_inputs=(2,),
+           fd_keep_dtype=(2,), opset=18),
+    # the rule cannot skip N and C here (a scale of 1 moves positions), so it probes every axis
+    OpCase("Resize", "Resize_nearest_tf_half_pixel_ceil", [_r(2, 3, 4, 5), None, None, np.array([2, 3, 7, 9])],
+           _ort_resize({"mode": "nearest", "coordinate_transformation_mode": "tf_half_pixel_for_nn",
+                        "nearest_mode": "ceil"}, [2, 3, 4, 5], [None, None, np.array([2, 3, 7, 9])]),
+           {"mode": "nearest", "coordinate_transformation_mode": "tf_half_pixel_for_nn", "nearest_mode": "ceil"},
+           const_inputs=(3,), fd_check=False),
+    OpCase("Resize", "Resize_nearest_round_prefer_ceil_odd", [_r(2, 3, 5, 7), None, None, np.array([2, 3, 8, 4])],
+           _ort_resize({"mode": "nearest", "coordinate_transformation_mode": "half_pixel",
+                        "nearest_mode": "round_prefer_ceil"}, [2, 3, 5, 7], [None, None, np.array([2, 3, 8, 4])]),
+           {"mode": "nearest", "coordinate_transformation_mode": "half_pixel", "nearest_mode": "round_prefer_ceil"},
+           const_inputs=(3,)),
+    OpCase("Resize", "Resize_linear_half_pixel_symmetric", [_r(2, 3, 5, 4), None, None, np.array([2, 3, 8, 7])],
+           _ort_resize({"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"}, [2, 3, 5, 4],
+                       [None, None, np.array([2, 3, 8, 7])]),
+           {"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"}, const_inputs=(3,)),
+    OpCase("Resize", "Resize_cubic_scales2", [_r(2, 3, 4, 5), None, _f32(1, 1, 2, 2)],
+           _interp(scale_factor=2, mode="bicubic"),
+           {"mode": "cubic", "coordinate_transformation_mode": "half_pixel", "cubic_coeff_a": -0.75},
+           const_inputs=(2,), fd_keep_dtype=(2,)),
+    OpCase("Resize", "Resize_linear_1d", [_r(2, 3, 7), None, None, np.array([2, 3, 12])],
+           _interp(size=12, mode="linear"), _LINEAR, const_inputs=(3,)),
+    OpCase("Resize", "Resize_trilinear_scales", [_r(1, 2, 3, 4, 5), None, _f32(1, 1, 2, 1.5, 2)],
+           _interp(scale_factor=(2, 1.5, 2), mode="trilinear"), _LINEAR, const_inputs=(2,), fd_keep_dtype=(2,)),
+    OpCase("Resize", "Resize_axes_attr", [_r(2, 3, 4, 5), None, _f32(2, 3)],
+           _interp(scale_factor=(2, 3), mode="bilinear"), {**_LINEAR, "axes": [2, 3]}, const_inputs=(2,),
+           fd_keep_dtype=(2,), opset=18),
+    # sizes computed at run time: the rule cannot prove N and C unchanged and probes them too
+    OpCase("Resize", "Resize_linear_runtime_sizes", [_r(2, 3, 4, 5), None, None, np.array([2, 3, 7, 9])],
+           _interp(size=(7, 9), mode="bilinear"), _LINEAR, grad_inputs=(0,)),
+    OpCase("Resize", "Resize_nearest_runtime_scales", [_r(2, 3, 4, 5), None, _f32(1, 1, 2, 3)],
+           _interp(scale_factor=(2, 3), mode="nearest"), _NEAREST, grad_inputs=(0,), fd_keep_dtype=(2,)),
+]
+CASES += _RESIZE_CASES
+
+
+def _depth_to_space_crd(x, b):
+    return F.pixel_shuffle(x, b)
+
+
+def _depth_to_space_dcr(x, b):
+    n, c, h, w = x.shape
+    y = x.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
+    return y.reshape(n, c // (b * b), h * b, w * b)
+
+
+def _space_to_depth(x, b):
+    n, c, h, w = x.shape
+    y = x.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4)
+    return y.reshape(n, c * b * b, h // b, w // b)
+
+
+CASES += [
+    OpCase("DepthToSpace", "DepthToSpace_CRD", [_r(2, 8, 3, 4)], lambda x: _depth_to_space_crd(x, 2),
+           {"blocksize": 2, "mode": "CRD"}),
+    OpCase("DepthToSpace", "DepthToSpace_DCR", [_r(2, 18, 3, 2)], lambda x: _depth_to_space_dcr(x, 3),
+           {"blocksize": 3, "mode": "DCR"}),
+    OpCase("SpaceToDepth", "SpaceToDepth", [_r(2, 3, 4, 6)], lambda x: _space_to_depth(x, 2), {"blocksize": 2}),
 ]

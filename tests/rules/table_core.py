@@ -220,3 +220,10 @@ row("SoftmaxCrossEntropyLoss", "SCE_log_prob_only_grad", [randn(_N_, _C_), _LABE
     _ce_ref("mean", None, True), num_outputs=2, grad_outputs=[1])
 row("SoftmaxCrossEntropyLoss", "SCE_loss_only_grad_2_outputs", [randn(_N_, _C_), _LABELS],
     _ce_ref("mean", None, True), num_outputs=2, grad_outputs=[0])
+
+# -- variadic Sum / Mean, CastLike ----------------------------------------------------------------------
+row("Sum", "Sum_three_broadcast", [randn(3, 4), randn(4), randn(3, 1)], lambda a, b, c: a + b + c)
+row("Sum", "Sum_single", [randn(3, 4)], lambda a: a * 1)
+row("Mean", "Mean_two_broadcast", [randn(3, 4), randn(1, 4)], lambda a, b: (a + b) / 2)
+row("CastLike", "CastLike_f64_like_f32", [randn(3, 4).astype(np.float64), randn(1)],
+    lambda x, t: x.to(torch.float32), grad_inputs=(0,), fd_eps=1e-2)

@@ -369,3 +369,37 @@ for _exc in (0, 1):
         row("CumSum", f"CumSum_exclusive{_exc}_reverse{_rev}", [randn(3, 5), i64(1)], _cumsum_ref(_exc, _rev),
             attributes={"exclusive": _exc, "reverse": _rev}, const_inputs=[1])
 row("CumSum", "CumSum_neg_axis_dyn", [randn(2, 3, 4), i64(-1)], _cumsum_ref(0, 0))
+
+# -- ReduceProd -----------------------------------------------------------------------------------------
+
+
+def _prod_ref(dims, keep: bool):
+    """torch.prod over several dims (it takes one): the dims moved last, flattened, reduced."""
+
+    def fn(x, *_):
+        d = list(range(x.dim())) if dims is None else [a % x.dim() for a in dims]
+        rest = [a for a in range(x.dim()) if a not in d]
+        y = x.permute(*rest, *d).reshape(*[x.shape[a] for a in rest], -1).prod(-1)
+        if keep:
+            y = y.reshape([1 if a in d else x.shape[a] for a in range(x.dim())])
+        return y
+
+    return fn
+
+
+_PROD_X = uniform(2, 3, 4, low=0.5, high=1.5) * np.sign(randn(2, 3, 4))
+for _tag, _axes, _keep, _dims in _REDUCE_VARIANTS:
+    row("ReduceProd", f"ReduceProd_{_tag}", [_PROD_X] if _axes is None else [_PROD_X, i64(_axes)],
+        _prod_ref(_dims, bool(_keep)), attributes={"keepdims": _keep}, const_inputs=[1])
+# NOTE [prod zeros]: rows (axis 2) with no zero, one zero and two zeros; a zero elsewhere in the tensor
+# switches eager to its exclusive-product backward for every row.
+_PROD_ZEROS = _PROD_X.copy()
+_PROD_ZEROS[0, 1, 2] = 0.0
+_PROD_ZEROS[1, 0, 0] = _PROD_ZEROS[1, 0, 3] = 0.0
+row("ReduceProd", "ReduceProd_zeros", [_PROD_ZEROS, i64([2])], _prod_ref([2], False), attributes={"keepdims": 0},
+    const_inputs=[1])
+_PROD_ONE_ZERO = _PROD_X.copy()
+_PROD_ONE_ZERO[1, 2, 1] = 0.0
+row("ReduceProd", "ReduceProd_one_zero_all_axes", [_PROD_ONE_ZERO], _prod_ref(None, True))
+row("ReduceProd", "ReduceProd_attr_axes_opset13", [_PROD_ZEROS], _prod_ref([1], True),
+    attributes={"axes": [1], "keepdims": 1}, opset=13)

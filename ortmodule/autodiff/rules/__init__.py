@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     norm,
     pool,
     reduction,
+    resample,
     shape,
     torch_node,
 )

@@ -52,6 +52,30 @@ def cast_grad(g: GradBuilder, node: ir.Node, dys):
     return [g.cast_like(dys[0], x)]
 
 
+@register("CastLike")
+def cast_like_grad(g: GradBuilder, node: ir.Node, dys):
+    """As Cast; the second input only names the dtype."""
+    x = node.inputs[0]
+    if not (x.dtype and x.dtype.is_floating_point()):
+        return [None, None]
+    return [g.cast_like(dys[0], x), None]
+
+
+@register("Sum")
+def sum_grad(g: GradBuilder, node: ir.Node, dys):
+    """Variadic, broadcasting Add: dY reduced to each input's shape."""
+    shape = node.outputs[0].shape
+    return [g.reduce_to(dys[0], x, shape) for x in node.inputs]
+
+
+@register("Mean")
+def mean_grad(g: GradBuilder, node: ir.Node, dys):
+    """Variadic, broadcasting mean: dY / n reduced to each input's shape."""
+    shape, dy = node.outputs[0].shape, dys[0]
+    share = g.op("Div", [dy, g.scalar_like(float(len(node.inputs)), dy)], dtype=dy.dtype)
+    return [g.reduce_to(share, x, shape) for x in node.inputs]
+
+
 @register("Add")
 def add_grad(g: GradBuilder, node: ir.Node, dys):
     a, b = node.inputs

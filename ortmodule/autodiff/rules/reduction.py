@@ -149,6 +149,42 @@ register("ReduceMax")(_reduce_extremum_grad)
 register("ReduceMin")(_reduce_extremum_grad)
 
 
+@register("ReduceProd")
+def reduce_prod_grad(g: GradBuilder, node: ir.Node, dys):
+    """d prod / dx_i = the product of the others.
+
+    # NOTE [prod zeros]: eager's prod backward is ``dy * y / x`` where nothing is 0, which is 0/0 at
+    # a zero. Here, per reduced group: no zero -> dy * y / x (eager's own form); one zero -> that
+    # element gets dy * (the product of the rest), the others 0; two or more -> all 0. Eager takes
+    # exclusive cumulative products for the whole tensor once any element is 0: the same values, to
+    # rounding.
+    """
+    r = _Reduce(g, node)
+    x, (y,) = r.x, node.outputs
+    dy = r.keep(dys[0])
+    if r.identity:
+        return _grads(node, dys[0])
+    dt = x.dtype
+    is_zero = g.op("Equal", [x, g.scalar_like(0.0, x)], dtype=ir.DataType.BOOL)
+    zeros = r.sum_keep(g.op("Cast", [is_zero], {"to": int(dt)}, dtype=dt))  # zeros per group
+    safe = g.op("Where", [is_zero, g.scalar_like(1.0, x), x], dtype=dt)
+    if r.axes is None:
+        rest = g.op("ReduceProd", [safe], {"keepdims": 1}, dtype=dt)
+    elif g.opset >= 18:
+        rest = g.op("ReduceProd", [safe, r.axes], {"keepdims": 1}, dtype=dt)
+    else:
+        axes = const_ints(r.axes)
+        if axes is None:
+            raise ValueError(f"ReduceProd node {node.name!r}: its gradient needs constant axes below opset 18")
+        rest = g.op("ReduceProd", [safe], {"keepdims": 1, "axes": axes}, dtype=dt)
+    none_zero = g.op("Div", [g.mul(dy, r.keep(y)), x], dtype=dt)
+    one_zero = g.op("Where", [is_zero, g.mul(dy, rest), g.scalar_like(0.0, x)], dtype=dt)
+    dx = g.op("Where", [g.op("Equal", [zeros, g.scalar_like(0.0, x)], dtype=ir.DataType.BOOL), none_zero,
+                        g.op("Where", [g.op("Equal", [zeros, g.scalar_like(1.0, x)], dtype=ir.DataType.BOOL),
+                                       one_zero, g.scalar_like(0.0, x)], dtype=dt)], dtype=dt)
+    return _grads(node, dx)
+
+
 # -- CumSum -------------------------------------------------------------------------------------------
 
 
