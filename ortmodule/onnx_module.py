@@ -30,7 +30,7 @@ from onnx import external_data_helper, numpy_helper
 from torch import nn
 
 from .autodiff import differentiable_values
-from .autodiff.registry import lookup
+from .autodiff.registry import lookup, refusal
 from .errors import GradientRuleError, ORTModuleError
 from .export import ExportedModel
 from .function import ORTFunction
@@ -295,6 +295,9 @@ def _missing_rules(model: onnx.ModelProto, trainable: Sequence[str], outputs: Se
             shown = ", ".join(repr(s) for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
             problems.append(f"op '{op}' (node '{node.name}') is reached from trainable {shown}")
         elif info.fn is not None:
+            why = refusal(node.domain, node.op_type, node)
+            if why is not None:
+                problems.append(f"op '{node.op_type}' (node '{node.name}'): {why}")
             needed.update(ins)
     return problems
 
@@ -345,8 +348,9 @@ class OnnxModule(nn.Module):
 
     Args:
         model: path of an ``.onnx`` file, its bytes, or an ``onnx.ModelProto`` (copied, never modified).
-        trainable: which float initializers become ``nn.Parameter``s: ``None`` (all), a list of ONNX
-            names, or a predicate ``onnx_name -> bool``. The other float initializers become buffers.
+        trainable: which float initializers become ``nn.Parameter``s: ``None`` (all but the one-element
+            ones, with a warning naming them: NOTE [scalar constants]), a list of ONNX names, or a
+            predicate ``onnx_name -> bool``. The other float initializers become buffers.
             Non-float initializers stay graph constants (also listed as buffers, read-only).
         outputs: the graph outputs to return (ONNX names), default every tensor output.
         output_format: ``"auto"`` (one tensor, or a tuple), ``"tuple"`` or ``"dict"`` (by output name).
@@ -376,7 +380,8 @@ class OnnxModule(nn.Module):
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
-        trainable_set = _select_trainable(float_inits, trainable)
+        scalars = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES and int(np.prod(t.dims)) <= 1]
+        trainable_set = _select_trainable(float_inits, trainable, scalars)
         tensors = {t.name: _to_torch(t) for t in graph.initializer}
 
         data_inputs = [vi for vi in graph.input if vi.name not in init_names]
@@ -591,9 +596,20 @@ class OnnxModule(nn.Module):
             onnx.save_model(model, str(path))
 
 
-def _select_trainable(float_inits: list[str], trainable) -> set[str]:
+def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = ()) -> set[str]:
     if trainable is None:
-        return set(float_inits)
+        # NOTE [scalar constants]: exporters store constants as initializers too: torch.onnx's dynamo
+        # exporter keeps the 0.0 that fills an LSTM's initial state, fill values of masks, epsilons and
+        # scales as one-element float initializers. Trained, they change what the model computes (the
+        # state fill drifted off 0 after one AdamW step: outputs 0.6% off eager's at the next). So by
+        # default they stay buffers, and the warning names them; a learnt scalar (a temperature, a
+        # one-slope PReLU) is trained by naming it in ``trainable``.
+        if scalars:
+            shown = ", ".join(repr(n) for n in list(scalars)[:10]) + (" ..." if len(scalars) > 10 else "")
+            warnings.warn(f"OnnxModule: {len(scalars)} one-element float initializer(s) kept frozen as constants "
+                          f"({shown}); pass trainable=[...] naming them to train them (NOTE [scalar constants])",
+                          stacklevel=3)
+        return set(float_inits) - set(scalars)
     if callable(trainable):
         return {n for n in float_inits if trainable(n)}
     if isinstance(trainable, str):

@@ -555,3 +555,96 @@ def test_resize_gradient_is_the_adjoint_of_onnxruntimes_resize():
     up = nn.functional.interpolate(t_w.expand(2, -1, -1, -1), size=(74, 82), mode="nearest")
     (up * v.double()).sum().backward()
     assert not np.allclose(t_w.grad.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+class TextRNN(nn.Module):
+    """A text classifier as speech and text files have it: embedding, a 2-layer bidirectional LSTM
+    or GRU, the last step's features to a linear head."""
+
+    def __init__(self, cell: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 12)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(12, 16, num_layers=2, bidirectional=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        out, _ = self.rnn(self.emb(x))  # x: [seq, batch]
+        return self.head(out[-1])
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_recurrent_file_trains_like_eager(cell, exporter):
+    """NOTE [onnx rnn as torch]: LSTM / GRU nodes (forward and reverse directions, two layers) train at
+    eager's numbers, the gradient from torch's own recurrent kernel."""
+    torch.manual_seed(0)
+    model = TextRNN(cell)
+    x, y = torch.randint(0, 40, (20, 16)), torch.randint(0, 4, (16,))
+    if exporter == "torchscript":
+        buf = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (x[:, :2],), buf, dynamo=False, opset_version=17, input_names=["x"],
+                              output_names=["y"], dynamic_axes={"x": {1: "batch"}, "y": {0: "batch"}})
+        file = onnx.load_from_string(buf.getvalue())
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            file = torch.onnx.export(model, (x[:, :2],), dynamo=True, verbose=False,
+                                     dynamic_shapes=({1: torch.export.Dim("batch", min=2)},)).model_proto
+    assert cell.upper() in {n.op_type for n in file.graph.node}
+    # The TorchScript exporter repacks the recurrent weights under new names and layouts, so the check is
+    # on what every weight feeds: the outputs and losses at each AdamW step, and the gradients of the
+    # weights that keep their names (a wrong recurrent gradient moves the next step's outputs).
+    eager, om = copy.deepcopy(model), OnnxModule(file)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_o = torch.optim.AdamW(om.parameters(), lr=1e-2)
+    named = [n for n, _ in eager.named_parameters() if n in om.attr_names]
+    assert {"emb.weight", "head.weight"} <= set(named)
+    for step in range(4):
+        outs = []
+        for m, opt in ((eager, opt_e), (om, opt_o)):
+            opt.zero_grad(set_to_none=True)
+            out = m(x)
+            nn.functional.cross_entropy(out, y).backward()
+            outs.append(out.detach())
+        assert_close(outs[1], outs[0], RTOL, f"output at step {step}")
+        for name in named:
+            assert_close(_param(om, name).grad, eager.get_parameter(name).grad, RTOL, f"{name}.grad at step {step}")
+        opt_e.step()
+        opt_o.step()
+
+
+def test_recurrent_node_torch_cannot_differentiate_is_refused_by_name():
+    """A GRU with linear_before_reset=0 (torch's GRU has the other form): refused at construction."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("W", (1, 12, 3)), ("R", (1, 12, 4)))]
+    node = helper.make_node("GRU", ["x", "W", "R"], ["y"], name="gru0", hidden_size=4, linear_before_reset=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 1, 2, 4])], inits)
+    with pytest.raises(GradientRuleError, match="gru0.*linear_before_reset=0"):
+        OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_one_element_initializers_stay_constants_unless_named():
+    """NOTE [scalar constants]: y = (x @ W + b) * scale with a one-element ``scale`` initializer (as the
+    exporters store fill values, epsilons and scales): kept frozen with a warning naming it, so AdamW
+    leaves it as the file has it; naming it in ``trainable`` trains it."""
+    model = _linear_model()
+    model.graph.node[-1].output[0] = "pre_scale"
+    model.graph.node.append(helper.make_node("Mul", ["pre_scale", "scale"], ["y"], name="scale_node"))
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "scale"))
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"one-element float initializer.*'scale'"):
+        om = OnnxModule(model)
+    assert "scale" not in dict(om.named_parameters()) and om.scale.item() == 0.5
+    opt = torch.optim.AdamW(om.parameters(), lr=0.1)
+    om(x).square().sum().backward()
+    opt.step()
+    assert om.scale.item() == 0.5 and om.lin_weight.grad is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trained = OnnxModule(model, trainable=["scale", "lin.weight"])
+    trained(x).square().sum().backward()
+    assert trained.scale.grad is not None and trained.lin_bias.grad is None

@@ -60,6 +60,28 @@ def register_nondifferentiable(*op_types: str, domain: str = "") -> None:
         _RULES[key] = RuleInfo(domain, op_type, None)
 
 
+# A rule's precondition: ``check(node)`` says why the rule cannot differentiate this node (an attribute
+# value it does not cover), or None. The rule raises with the same words; OnnxModule asks at load time,
+# so a file is refused when it is opened, not at its first backward.
+_CHECKS: dict[tuple[str, str], Callable[[ir.Node], str | None]] = {}
+
+
+def register_check(op_type: str, domain: str = "") -> Callable:
+    """Register the precondition ``fn(node) -> reason | None`` of ``(domain, op_type)``'s rule."""
+
+    def deco(fn):
+        _CHECKS[(domain, op_type)] = fn
+        return fn
+
+    return deco
+
+
+def refusal(domain: str, op_type: str, node: ir.Node) -> str | None:
+    """Why the registered rule cannot differentiate ``node``, or None."""
+    check = _CHECKS.get(("" if domain == "ai.onnx" else domain, op_type))
+    return None if check is None else check(node)
+
+
 def lookup(domain: str, op_type: str) -> RuleInfo | None:
     return _RULES.get(("" if domain == "ai.onnx" else domain, op_type))
 

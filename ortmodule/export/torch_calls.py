@@ -160,6 +160,10 @@ _AS_TORCH = {
                                else None),
     "scatter_reduce": lambda node: (f"scatter_reduce '{_reduce_arg(node)}' has no exact ONNX form"
                                     if _reduce_arg(node) != "sum" else None),
+    # NOTE [onnx rnn as torch] (runtime/torch_nodes.py): as an ONNX LSTM / GRU / RNN node, the backward
+    # would re-run the forward in torch; as a torch node, torch's kernel runs each pass once
+    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), lambda node: "torch's recurrent kernel runs "
+                    "forward and backward once; as an ONNX node its backward re-runs the forward"),
     **dict.fromkeys(_UPSAMPLE, lambda node: "ONNX Resize picks other source pixels than torch's upsampling "
                                             "for some sizes (NOTE [upsample as torch])"),
 }

@@ -332,9 +332,70 @@ def _conv2d_backward_channels_last(dy, x, w, *args):
     return tuple(o.contiguous() if o is not None else None for o in outs)
 
 
+# NOTE [onnx rnn as torch]: ONNX LSTM / GRU / RNN nodes (files from either torch exporter) get their
+# gradient from torch's own recurrent kernels: the backward re-runs the node's forward as
+# ``torch._VF.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` with autograd on and differentiates it.
+# ONNX keeps each direction's gate blocks in another order than torch (LSTM i o f c vs i f g o, GRU
+# z r h vs r z n) and one bias [Wb, Rb]; a reverse-only direction is the forward pass over the
+# time-flipped sequence. The recomputed forward equals onnxruntime's to rounding (its activations
+# are MLAS's), so the gradient is taken at the values the forward returned, to float tolerance.
+_RNN_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN_TANH": (0,), "RNN_RELU": (0,)}
+
+
+def _onnx_rnn_forward(kind: str, hidden: int, direction: str, x, w, r, b, h0, c0):
+    """Y, Y_h, Y_c (None for GRU / RNN) of the ONNX node (layout 0), computed by torch's recurrent kernel."""
+    order = _RNN_GATES[kind]
+    seq_first = x  # [seq, batch, input]
+    n_dir, batch = w.shape[0], seq_first.shape[1]
+
+    def gates(m):  # [n_gates * hidden, ...] in ONNX order -> torch's
+        blocks = m.split(hidden, 0)
+        return torch.cat([blocks[i] for i in order], 0)
+
+    params = []
+    for d in range(n_dir):
+        params += [gates(w[d]), gates(r[d])]
+        if b is not None:
+            wb, rb = b[d].split(len(order) * hidden)
+            params += [gates(wb), gates(rb)]
+
+    def state(t):  # [n_dir, batch, hidden]
+        return seq_first.new_zeros(n_dir, batch, hidden) if t is None else t
+
+    if direction == "reverse":
+        seq_first = seq_first.flip(0)
+    args = (params, b is not None, 1, 0.0, True, direction == "bidirectional", False)
+    y_c = None
+    if kind == "LSTM":
+        out, y_h, y_c = torch._VF.lstm(seq_first, (state(h0), state(c0)), *args)
+    else:
+        fn = {"GRU": torch._VF.gru, "RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu}[kind]
+        out, y_h = fn(seq_first, state(h0), *args)
+    if direction == "reverse":
+        out = out.flip(0)
+    y = out.reshape(out.shape[0], batch, n_dir, hidden).transpose(1, 2)  # [seq, n_dir, batch, hidden]
+    return y, y_h, y_c
+
+
+def _onnx_rnn_backward(kind, hidden, direction, x, w, r, b, h0, c0, dy, dy_h, dy_c):
+    """dX, dW, dR, dB, d initial_h, d initial_c of an ONNX recurrent node (None where the node has no
+    such input), by torch's autograd through its own kernel (NOTE [onnx rnn as torch])."""
+    named = {"x": x, "w": w, "r": r, "b": b, "h0": h0, "c0": c0}
+    leaves = {k: t.detach().requires_grad_() for k, t in named.items() if t is not None}
+    with torch.enable_grad():
+        outs = _onnx_rnn_forward(kind, hidden, direction, *(leaves.get(k) for k in named))
+        pairs = [(o, g) for o, g in zip(outs, (dy, dy_h, dy_c)) if o is not None and g is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs],
+                                    allow_unused=True)
+    found = dict(zip(leaves, grads))
+    return tuple(None if k not in leaves else (torch.zeros_like(leaves[k]) if found[k] is None else found[k])
+                 for k in named)
+
+
 # Kernels of our own, by name (portable as the ATen ones): compositions of ATen calls.
 OWN_KERNELS = {"ortmodule::max_pool2d_backward": _max_pool2d_backward,
-               "ortmodule::conv2d_backward_channels_last": _conv2d_backward_channels_last}
+               "ortmodule::conv2d_backward_channels_last": _conv2d_backward_channels_last,
+               "ortmodule::onnx_rnn_backward": _onnx_rnn_backward}
 
 
 def resolve_aten(name: str):

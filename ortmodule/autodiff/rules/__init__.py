@@ -10,6 +10,7 @@ from . import (  # noqa: F401
     loss,
     norm,
     pool,
+    recurrent,
     reduction,
     resample,
     shape,

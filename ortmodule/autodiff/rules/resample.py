@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..registry import GradBuilder, attr, input_or_none, register
+from ..registry import GradBuilder, attr, input_or_none, register, register_check
 from .indexing import concat_shape, const_ints, rank_of, shape_part
 
 _I64 = ir.DataType.INT64
@@ -83,6 +83,16 @@ def _is_shape_of(v: ir.Value, x: ir.Value, d: int, k: int) -> bool:
     return False
 
 
+@register_check("Resize")
+def _resize_refusal(node: ir.Node) -> str | None:
+    if _text(attr(node, "coordinate_transformation_mode", "half_pixel")) == "tf_crop_and_resize":
+        return ("no gradient rule for coordinate_transformation_mode 'tf_crop_and_resize' (it reads roi and "
+                "extrapolates outside it)")
+    if _text(attr(node, "keep_aspect_ratio_policy", "stretch")) != "stretch":
+        return "no gradient rule for keep_aspect_ratio_policy other than 'stretch'"
+    return None
+
+
 class _Resize:
     """The node's resizing, axis by axis (NOTE [resize adjoint])."""
 
@@ -93,11 +103,9 @@ class _Resize:
         self.mode = _text(attr(node, "mode", "nearest"))
         ctm = _text(attr(node, "coordinate_transformation_mode", "half_pixel"))
         where = f"Resize node {node.name!r}"
-        if ctm == "tf_crop_and_resize":
-            raise NotImplementedError(f"{where}: no gradient rule for coordinate_transformation_mode "
-                                      "'tf_crop_and_resize' (it reads roi and extrapolates outside it)")
-        if _text(attr(node, "keep_aspect_ratio_policy", "stretch")) != "stretch":
-            raise NotImplementedError(f"{where}: no gradient rule for keep_aspect_ratio_policy other than 'stretch'")
+        why = _resize_refusal(node)
+        if why is not None:
+            raise NotImplementedError(f"{where}: {why}")
         axes = attr(node, "axes")
         self.axes = [a + self.rank if a < 0 else a for a in axes] if axes is not None else list(range(self.rank))
         scales, sizes = input_or_none(node, 2), input_or_none(node, 3)
