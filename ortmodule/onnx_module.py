@@ -355,6 +355,9 @@ class OnnxModule(nn.Module):
         outputs: the graph outputs to return (ONNX names), default every tensor output.
         output_format: ``"auto"`` (one tensor, or a tuple), ``"tuple"`` or ``"dict"`` (by output name).
         base_dir: folder of the external data, for a ``ModelProto`` or bytes that reference any.
+        untie: give each reader of a shared float initializer its own copy (NOTE [merged initializers]):
+            ``True`` for the shared ones whose elements are all equal (what exporters merge), or a list
+            of ONNX names; the copies are named ``<name>.1``, ``<name>.2`` ... and saved as such.
 
     Names: an initializer is stored under a Python-safe attribute name (``fc1.weight`` ->
     ``fc1_weight``); ``state_dict()`` is keyed by these attribute names, :attr:`onnx_names` maps them to
@@ -371,12 +374,14 @@ class OnnxModule(nn.Module):
         output_format: str = "auto",
         base_dir: str | os.PathLike | None = None,
         cache_size: int = 8,
+        untie: bool | Sequence[str] = False,
     ) -> None:
         super().__init__()
         if output_format not in ("auto", "tuple", "dict"):
             raise ValueError(f"output_format must be 'auto', 'tuple' or 'dict', not {output_format!r}")
         # Everything is built in locals first: a failure leaves no half-made module behind.
         proto = _load(model, None if base_dir is None else str(base_dir))
+        _untie(proto, untie)
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
@@ -594,6 +599,108 @@ class OnnxModule(nn.Module):
             )
         else:
             onnx.save_model(model, str(path))
+
+
+def _merged_suspects(graph: onnx.GraphProto) -> dict[str, tuple[float, int]]:
+    """Float initializers of more than one element, all equal, read by several nodes: name -> (value,
+    readers) (NOTE [merged initializers])."""
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for x in node.input:
+            readers[x] = readers.get(x, 0) + 1
+    found = {}
+    for t in graph.initializer:
+        if t.data_type in _FLOAT_TYPES and readers.get(t.name, 0) > 1 and int(np.prod(t.dims)) > 1:
+            arr = numpy_helper.to_array(t)
+            if np.all(arr == arr.reshape(-1)[0]):
+                found[t.name] = (float(arr.reshape(-1)[0]), readers[t.name])
+    return found
+
+
+def _twins(graph: onnx.GraphProto) -> list[tuple[str, str, bool]]:
+    """Pairs of float initializers (over one element) holding the same values, or one the other's
+    transpose: (a, b, transposed). NOTE [merged initializers]: a tied weight (an embedding shared with
+    the LM head) the exporter stored twice, once transposed for a MatMul; they train apart. Candidates
+    are found by their first 32 elements (a dict lookup each), then compared whole."""
+
+    def head(prefix: np.ndarray, x: np.ndarray) -> tuple:
+        return (x.dtype.str, x.size, prefix[:32].tobytes())
+
+    seen: dict[tuple, list[tuple[str, np.ndarray]]] = {}
+    pairs = []
+    for t in graph.initializer:
+        if t.data_type not in _FLOAT_TYPES or int(np.prod(t.dims)) <= 1:
+            continue
+        x = numpy_helper.to_array(t)
+        flat = x.reshape(-1)
+        if np.all(flat == flat[0]):
+            continue  # all equal: merged constants (_merged_suspects)
+        for a, y in seen.get(head(flat, x), []):
+            if y.shape == x.shape and np.array_equal(x, y):
+                pairs.append((a, t.name, False))
+        if x.ndim == 2:  # x.T's first 32 elements are in x's first columns
+            cols = -(-32 // max(x.shape[0], 1))
+            for a, y in seen.get(head(np.ascontiguousarray(x[:, :cols].T).reshape(-1), x), []):
+                if y.shape == x.T.shape and np.array_equal(x.T, y):
+                    pairs.append((a, t.name, True))
+        seen.setdefault(head(flat, x), []).append((t.name, x))
+    return pairs
+
+
+def _untie(model: onnx.ModelProto, untie: bool | Sequence[str]) -> None:
+    """NOTE [merged initializers]: torch.onnx's exporter merges equal initializers into one (every
+    LayerNorm weight of a fresh model is ones, every bias zeros: one HF BERT file read a single [32]
+    bias in 15 places). Trained as one tensor they stay tied, where the model had a tensor each (outputs
+    10% off eager's after one AdamW step). OnnxModule cannot tell merged from truly tied weights (an
+    embedding shared with the LM head), so it warns about the likely ones (all elements equal) and
+    unties what ``untie`` names: each further reader gets a copy, ``<name>.1``, ``<name>.2`` ..."""
+    graph = model.graph
+    suspects = _merged_suspects(graph)
+    if untie is True:
+        names = set(suspects)
+    elif untie is False:
+        names = set()
+    else:
+        names = set([untie] if isinstance(untie, str) else untie)
+        inits = {t.name for t in graph.initializer}
+        unknown = names - inits
+        if unknown:
+            raise ValueError(f"untie names {sorted(unknown)} that are not initializers of the model")
+    left = {n: v for n, v in suspects.items() if n not in names}
+    if left:
+        shown = ", ".join(f"{n!r} (all {v:g}, read by {k} nodes)" for n, (v, k) in list(left.items())[:6])
+        warnings.warn(f"OnnxModule: {len(left)} shared float initializer(s) look like several equal tensors the "
+                      f"exporter merged into one: {shown}{' ...' if len(left) > 6 else ''}. Trained as one they "
+                      "stay tied; pass untie=True (or their names) to train a copy per reader "
+                      "(NOTE [merged initializers])", stacklevel=3)
+    twins = _twins(graph)
+    if twins:
+        shown = ", ".join(f"{a!r} and {b!r}{' (transposed)' if tr else ''}" for a, b, tr in twins[:4])
+        warnings.warn(f"OnnxModule: initializers {shown}{' ...' if len(twins) > 4 else ''} hold the same values: "
+                      "one weight the exporter stored twice (a tied embedding and LM head)? They train apart "
+                      "here (NOTE [merged initializers])", stacklevel=3)
+    if not names:
+        return
+    by_name = {t.name: t for t in graph.initializer}
+    taken = set(by_name) | {x for n in graph.node for x in (*n.input, *n.output)} | {i.name for i in graph.input}
+    seen: dict[str, int] = {}
+    for node in graph.node:
+        for j, x in enumerate(node.input):
+            if x not in names:
+                continue
+            seen[x] = seen.get(x, 0) + 1
+            if seen[x] == 1:
+                continue  # the first reader keeps the original
+            k = seen[x] - 1
+            while f"{x}.{k}" in taken:
+                k += 1
+            copy_name = f"{x}.{k}"
+            taken.add(copy_name)
+            twin = onnx.TensorProto()
+            twin.CopyFrom(by_name[x])
+            twin.name = copy_name
+            graph.initializer.append(twin)
+            node.input[j] = copy_name
 
 
 def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = ()) -> set[str]:

@@ -648,3 +648,88 @@ def test_one_element_initializers_stay_constants_unless_named():
         trained = OnnxModule(model, trainable=["scale", "lin.weight"])
     trained(x).square().sum().backward()
     assert trained.scale.grad is not None and trained.lin_bias.grad is None
+
+
+# -- what exporters change: merged, dropped and doubled initializers ------------------------------------
+def _hf_bert_file(trained: bool):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  num_labels=3)
+    bert = transformers.BertForSequenceClassification(cfg).eval()
+    if trained:  # as a fine-tuned checkpoint: no two weights alike, no zero bias
+        with torch.no_grad():
+            for p in bert.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, x):
+            return self.bert(x).logits
+
+    model, x = Logits(), torch.randint(0, 100, (8, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        file = torch.onnx.export(model, (x[:2],), dynamo=True, verbose=False,
+                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)).model_proto
+    return model, x, file
+
+
+def test_hf_bert_checkpoint_file_trains_like_eager():
+    """A fine-tuned HF BERT exported by torch.onnx (dynamo, default optimisation) trains at eager's numbers:
+    outputs at each of 3 AdamW steps, then on a new batch."""
+    model, x, file = _hf_bert_file(trained=True)
+    eager, om = copy.deepcopy(model), OnnxModule(file)
+    assert sum(p.numel() for p in om.parameters()) == sum(p.numel() for p in eager.parameters())
+    opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
+    for step in range(3):
+        outs = []
+        for m, opt in ((eager, opt_e), (om, opt_o)):
+            opt.zero_grad(set_to_none=True)
+            out = m(x)
+            out.square().mean().backward()
+            opt.step()
+            outs.append(out.detach())
+        assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+    x2 = torch.randint(0, 100, (5, 16))
+    with torch.no_grad():
+        assert_close(om(x2), eager(x2), RTOL, "logits after training")
+
+
+def test_merged_initializers_warn_and_untie():
+    """NOTE [merged initializers]: a fresh HF BERT's file reads one zero [32] bias in 15 places (every
+    bias and LayerNorm shift); OnnxModule warns, and untie=True trains a copy per reader, saved under
+    their own names."""
+    _, x, file = _hf_bert_file(trained=False)
+    with pytest.warns(UserWarning, match=r"exporter merged.*LayerNorm.bias' \(all 0, read by 15 nodes\)"):
+        tied = OnnxModule(file)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        untied = OnnxModule(file, untie=True)
+    assert not [w for w in caught if "merged" in str(w.message)]
+    n_tied, n_untied = len(list(tied.parameters())), len(list(untied.parameters()))
+    assert n_untied == n_tied + 14 + 4 + 1, (n_tied, n_untied)  # 14 bias copies, 4 LayerNorm weights, 1 FFN bias
+    out = untied(x)
+    out.square().mean().backward()
+    grads = [untied.get_parameter(untied.attr_names[f"bert.bert.embeddings.LayerNorm.bias.{k}"]).grad for k in (1, 2)]
+    assert not torch.equal(grads[0], grads[1])  # each reader its own gradient
+    with torch.no_grad():
+        again = OnnxModule(untied.to_onnx())
+        assert_close(again(x), untied(x), 1e-6, "the untied file reloaded")
+
+
+def test_a_weight_stored_twice_is_named():
+    """A tied weight that the exporter stored as W and W^T: they would train apart, and the warning says so."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "emb"), numpy_helper.from_array(np.ascontiguousarray(w.T), "head")]
+    nodes = [helper.make_node("MatMul", ["x", "head"], ["h"]), helper.make_node("MatMul", ["h", "emb"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    with pytest.warns(UserWarning, match=r"'emb' and 'head' \(transposed\) hold the same values"):
+        OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
