@@ -626,7 +626,7 @@ def _twins(graph: onnx.GraphProto) -> list[tuple[str, str, bool]]:
     def head(prefix: np.ndarray, x: np.ndarray) -> tuple:
         return (x.dtype.str, x.size, prefix[:32].tobytes())
 
-    seen: dict[tuple, list[tuple[str, np.ndarray]]] = {}
+    seen: dict[tuple, list[onnx.TensorProto]] = {}  # protos, not arrays: no second copy of the weights
     pairs = []
     for t in graph.initializer:
         if t.data_type not in _FLOAT_TYPES or int(np.prod(t.dims)) <= 1:
@@ -635,15 +635,17 @@ def _twins(graph: onnx.GraphProto) -> list[tuple[str, str, bool]]:
         flat = x.reshape(-1)
         if np.all(flat == flat[0]):
             continue  # all equal: merged constants (_merged_suspects)
-        for a, y in seen.get(head(flat, x), []):
+        for other in seen.get(head(flat, x), []):
+            y = numpy_helper.to_array(other)
             if y.shape == x.shape and np.array_equal(x, y):
-                pairs.append((a, t.name, False))
+                pairs.append((other.name, t.name, False))
         if x.ndim == 2:  # x.T's first 32 elements are in x's first columns
             cols = -(-32 // max(x.shape[0], 1))
-            for a, y in seen.get(head(np.ascontiguousarray(x[:, :cols].T).reshape(-1), x), []):
+            for other in seen.get(head(np.ascontiguousarray(x[:, :cols].T).reshape(-1), x), []):
+                y = numpy_helper.to_array(other)
                 if y.shape == x.T.shape and np.array_equal(x.T, y):
-                    pairs.append((a, t.name, True))
-        seen.setdefault(head(flat, x), []).append((t.name, x))
+                    pairs.append((other.name, t.name, True))
+        seen.setdefault(head(flat, x), []).append(t)
     return pairs
 
 
