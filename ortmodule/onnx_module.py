@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
-from onnx import external_data_helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 from torch import nn
 
 from .autodiff import differentiable_values
@@ -358,6 +358,9 @@ class OnnxModule(nn.Module):
         untie: give each reader of a shared float initializer its own copy (NOTE [merged initializers]):
             ``True`` for the shared ones whose elements are all equal (what exporters merge), or a list
             of ONNX names; the copies are named ``<name>.1``, ``<name>.2`` ... and saved as such.
+        tie: train each pair of initializers holding the same values (or one the other's transpose)
+            as one weight: the second is computed from the first (a Transpose or Identity node), as a
+            tied embedding and LM head are in the model the file came from.
 
     Names: an initializer is stored under a Python-safe attribute name (``fc1.weight`` ->
     ``fc1_weight``); ``state_dict()`` is keyed by these attribute names, :attr:`onnx_names` maps them to
@@ -375,13 +378,14 @@ class OnnxModule(nn.Module):
         base_dir: str | os.PathLike | None = None,
         cache_size: int = 8,
         untie: bool | Sequence[str] = False,
+        tie: bool = False,
     ) -> None:
         super().__init__()
         if output_format not in ("auto", "tuple", "dict"):
             raise ValueError(f"output_format must be 'auto', 'tuple' or 'dict', not {output_format!r}")
         # Everything is built in locals first: a failure leaves no half-made module behind.
         proto = _load(model, None if base_dir is None else str(base_dir))
-        _untie(proto, untie)
+        _untie(proto, untie, tie)
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
@@ -649,13 +653,15 @@ def _twins(graph: onnx.GraphProto) -> list[tuple[str, str, bool]]:
     return pairs
 
 
-def _untie(model: onnx.ModelProto, untie: bool | Sequence[str]) -> None:
+def _untie(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bool = False) -> None:
     """NOTE [merged initializers]: torch.onnx's exporter merges equal initializers into one (every
     LayerNorm weight of a fresh model is ones, every bias zeros: one HF BERT file read a single [32]
     bias in 15 places). Trained as one tensor they stay tied, where the model had a tensor each (outputs
     10% off eager's after one AdamW step). OnnxModule cannot tell merged from truly tied weights (an
     embedding shared with the LM head), so it warns about the likely ones (all elements equal) and
-    unties what ``untie`` names: each further reader gets a copy, ``<name>.1``, ``<name>.2`` ..."""
+    unties what ``untie`` names: each further reader gets a copy, ``<name>.1``, ``<name>.2`` ...; with
+    ``tie``, the second of two initializers holding the same values (or transposed) becomes a node
+    computing it from the first, so both uses train one weight, as in the model."""
     graph = model.graph
     suspects = _merged_suspects(graph)
     if untie is True:
@@ -676,11 +682,27 @@ def _untie(model: onnx.ModelProto, untie: bool | Sequence[str]) -> None:
                       "stay tied; pass untie=True (or their names) to train a copy per reader "
                       "(NOTE [merged initializers])", stacklevel=3)
     twins = _twins(graph)
-    if twins:
+    if twins and not tie:
         shown = ", ".join(f"{a!r} and {b!r}{' (transposed)' if tr else ''}" for a, b, tr in twins[:4])
         warnings.warn(f"OnnxModule: initializers {shown}{' ...' if len(twins) > 4 else ''} hold the same values: "
-                      "one weight the exporter stored twice (a tied embedding and LM head)? They train apart "
-                      "here (NOTE [merged initializers])", stacklevel=3)
+                      "one weight the exporter stored twice (a tied embedding and LM head)? They train apart; "
+                      "pass tie=True to train them as one (NOTE [merged initializers])", stacklevel=3)
+    if tie:
+        dropped: set[str] = set()
+        for a, b, transposed in twins:
+            if a in dropped or b in dropped:
+                continue
+            dropped.add(b)
+            op = helper.make_node("Transpose", [a], [b], perm=[1, 0]) if transposed else \
+                helper.make_node("Identity", [a], [b])
+            op.name = f"ortmodule_tie_{b}"
+            graph.node.insert(0, op)
+        kept = [t for t in graph.initializer if t.name not in dropped]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        inputs = [i for i in graph.input if i.name not in dropped]  # IR 3 files list initializers as inputs
+        del graph.input[:]
+        graph.input.extend(inputs)
     if not names:
         return
     by_name = {t.name: t for t in graph.initializer}

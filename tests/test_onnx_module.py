@@ -729,7 +729,57 @@ def test_a_weight_stored_twice_is_named():
     w = rng.standard_normal((4, 3)).astype(np.float32)
     inits = [numpy_helper.from_array(w, "emb"), numpy_helper.from_array(np.ascontiguousarray(w.T), "head")]
     nodes = [helper.make_node("MatMul", ["x", "head"], ["h"]), helper.make_node("MatMul", ["h", "emb"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    file = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.warns(UserWarning, match=r"'emb' and 'head' \(transposed\) hold the same values"):
-        OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+        OnnxModule(file)
+    # tie=True: one weight, read twice, as the model had it; its gradient is both uses'
+    tied = OnnxModule(file, tie=True)
+    assert [n for n, _ in tied.named_parameters()] == ["emb"]
+    x = torch.randn(5, 3)
+    tied(x).square().sum().backward()
+    ref = torch.from_numpy(w).requires_grad_()
+    ((x @ ref.T) @ ref).square().sum().backward()
+    assert_close(tied.emb.grad, ref.grad, 1e-5, "tied gradient")
+
+
+def test_hf_gpt2_checkpoint_file_with_tied_embeddings_trains_like_eager():
+    """GPT-2's LM head is its token embedding; torch.onnx stores it twice (once transposed). tie=True
+    trains one weight again: logits at eager's numbers over 3 AdamW steps."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # as a fine-tuned checkpoint
+        for p in gpt2.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt2 = gpt2
+
+        def forward(self, x):
+            return self.gpt2(x).logits
+
+    model, x = Logits(), torch.randint(0, 100, (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        file = torch.onnx.export(model, (x[:2],), dynamo=True, verbose=False,
+                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)).model_proto
+        om = OnnxModule(file, tie=True)
+    eager = copy.deepcopy(model)
+    assert sum(p.numel() for p in om.parameters()) == sum(p.numel() for p in eager.parameters())
+    opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
+    for step in range(3):
+        outs = []
+        for m, opt in ((eager, opt_e), (om, opt_o)):
+            opt.zero_grad(set_to_none=True)
+            out = m(x)
+            out.square().mean().backward()
+            opt.step()
+            outs.append(out.detach())
+        assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
