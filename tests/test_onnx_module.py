@@ -502,7 +502,7 @@ def _export_dynamo(model: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
     return prog.model_proto
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.exports)])
 def test_vision_decoder_file_with_resize_trains_like_eager(exporter):
     """NOTE [resize adjoint]: the files' Resize (nearest, linear, cubic at scale 2, where onnxruntime and
     torch resample alike), DepthToSpace and ReduceProd train at eager's numbers: outputs, every gradient
@@ -572,7 +572,7 @@ class TextRNN(nn.Module):
         return self.head(out[-1])
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.exports)])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_recurrent_file_trains_like_eager(cell, exporter):
     """NOTE [onnx rnn as torch]: LSTM / GRU nodes (forward and reverse directions, two layers) train at
@@ -680,6 +680,7 @@ def _hf_bert_file(trained: bool):
     return model, x, file
 
 
+@pytest.mark.exports
 def test_hf_bert_checkpoint_file_trains_like_eager():
     """A fine-tuned HF BERT exported by torch.onnx (dynamo, default optimisation) trains at eager's numbers:
     outputs at each of 3 AdamW steps, then on a new batch."""
@@ -701,6 +702,7 @@ def test_hf_bert_checkpoint_file_trains_like_eager():
         assert_close(om(x2), eager(x2), RTOL, "logits after training")
 
 
+@pytest.mark.exports
 def test_merged_initializers_warn_and_untie():
     """NOTE [merged initializers]: a fresh HF BERT's file reads one zero [32] bias in 15 places (every
     bias and LayerNorm shift); OnnxModule warns, and untie=True trains a copy per reader, saved under
@@ -744,6 +746,7 @@ def test_a_weight_stored_twice_is_named():
     assert_close(tied.emb.grad, ref.grad, 1e-5, "tied gradient")
 
 
+@pytest.mark.exports
 def test_hf_gpt2_checkpoint_file_with_tied_embeddings_trains_like_eager():
     """GPT-2's LM head is its token embedding; torch.onnx stores it twice (once transposed). tie=True
     trains one weight again: logits at eager's numbers over 3 AdamW steps."""
