@@ -389,8 +389,7 @@ class OnnxModule(nn.Module):
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
-        scalars = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES and int(np.prod(t.dims)) <= 1]
-        trainable_set = _select_trainable(float_inits, trainable, scalars)
+        trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph))
         tensors = {t.name: _to_torch(t) for t in graph.initializer}
 
         data_inputs = [vi for vi in graph.input if vi.name not in init_names]
@@ -727,14 +726,37 @@ def _untie(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bool = Fals
             node.input[j] = copy_name
 
 
+_BIAS_INPUTS = {"Gemm": 2, "Conv": 2, "ConvTranspose": 2}
+_LINEAR_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"}
+
+
+def _constant_scalars(graph: onnx.GraphProto) -> list[str]:
+    """One-element float initializers that are not a layer's bias (NOTE [scalar constants]): a Gemm's,
+    Conv's or ConvTranspose's bias input, or an Add onto a MatMul / Gemm / Conv result (the one-unit
+    bias of ``nn.Linear(n, 1)`` is a weight)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    bias = set()
+    for node in graph.node:
+        k = _BIAS_INPUTS.get(node.op_type)
+        if k is not None and len(node.input) > k:
+            bias.add(node.input[k])
+        if node.op_type == "Add" and len(node.input) == 2:
+            for mine, other in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
+                if other in producer and producer[other].op_type in _LINEAR_OPS:
+                    bias.add(mine)
+    return [t.name for t in graph.initializer
+            if t.data_type in _FLOAT_TYPES and int(np.prod(t.dims)) <= 1 and t.name not in bias]
+
+
 def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = ()) -> set[str]:
     if trainable is None:
         # NOTE [scalar constants]: exporters store constants as initializers too: torch.onnx's dynamo
         # exporter keeps the 0.0 that fills an LSTM's initial state, fill values of masks, epsilons and
         # scales as one-element float initializers. Trained, they change what the model computes (the
         # state fill drifted off 0 after one AdamW step: outputs 0.6% off eager's at the next). So by
-        # default they stay buffers, and the warning names them; a learnt scalar (a temperature, a
-        # one-slope PReLU) is trained by naming it in ``trainable``.
+        # default they stay buffers, and the warning names them, but a layer's one-unit bias
+        # (``_constant_scalars``) trains; a learnt scalar elsewhere (a temperature, a one-slope PReLU)
+        # is trained by naming it in ``trainable``.
         if scalars:
             shown = ", ".join(repr(n) for n in list(scalars)[:10]) + (" ..." if len(scalars) > 10 else "")
             warnings.warn(f"OnnxModule: {len(scalars)} one-element float initializer(s) kept frozen as constants "

@@ -786,3 +786,22 @@ def test_hf_gpt2_checkpoint_file_with_tied_embeddings_trains_like_eager():
             opt.step()
             outs.append(out.detach())
         assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 1)  # a one-unit bias: a weight, not a constant
+
+    def forward(self, x):
+        return self.out(torch.relu(self.body(x)))
+
+
+def test_a_one_unit_bias_trains_like_eager():
+    """NOTE [scalar constants]: the one-element bias of nn.Linear(16, 1) is a layer's bias and trains."""
+    torch.manual_seed(0)
+    model, x, y = Regressor(), torch.randn(32, 8), torch.randn(32, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_pair(model, x, y, nn.functional.mse_loss)
