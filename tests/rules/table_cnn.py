@@ -36,6 +36,7 @@ def _distinct(*shape: int) -> np.ndarray:
 # * GlobalMaxPool reduces the wrong axes unless the input is 4-D.
 # * Pad rejects negative pads.
 # * Resize does not know coordinate_transformation_mode 'tf_half_pixel_for_nn'.
+# * AffineGrid computes in float32 whatever theta's dtype, too coarse for float64 finite differences.
 
 
 def _onnx_flat_indices(idx: torch.Tensor, spatial: int, column_major_hw: tuple[int, int] | None = None):
@@ -380,3 +381,35 @@ CASES += [
            {"blocksize": 3, "mode": "DCR"}),
     OpCase("SpaceToDepth", "SpaceToDepth", [_r(2, 3, 4, 6)], lambda x: _space_to_depth(x, 2), {"blocksize": 2}),
 ]
+
+
+# -- GridSample (NOTE [grid sample as torch]: the gradient is torch's kernel, so no FD check) -------------
+def _grid(*shape: int) -> np.ndarray:
+    return (_rng.random(shape) * 2.4 - 1.2).astype(np.float32)  # some samples outside [-1, 1]
+
+
+_GRID_TORCH_MODE = {"linear": "bilinear", "nearest": "nearest", "cubic": "bicubic"}
+CASES += [
+    OpCase("GridSample", f"GridSample_{mode}_{pad}_ac{ac}", [_r(2, 3, 7, 6), _grid(2, 5, 4, 2)],
+           lambda x, g, m=mode, p=pad, a=ac: F.grid_sample(x, g, mode=_GRID_TORCH_MODE[m], padding_mode=p,
+                                                            align_corners=bool(a)),
+           {"mode": mode, "padding_mode": pad, "align_corners": ac}, fd_check=False,
+           grad_inputs=(0,) if mode == "nearest" else None)
+    for mode, pad, ac in [("linear", "zeros", 0), ("linear", "border", 1), ("linear", "reflection", 0),
+                          ("cubic", "zeros", 1), ("cubic", "reflection", 0), ("nearest", "zeros", 0)]
+]
+CASES.append(OpCase("GridSample", "GridSample_3d_linear", [_r(1, 2, 4, 5, 3), _grid(1, 3, 2, 4, 3)],
+                    lambda x, g: F.grid_sample(x, g, mode="bilinear", align_corners=False),
+                    {"mode": "linear"}, fd_check=False))
+
+
+def _affine_grid_ref(align: int):
+    return lambda theta, size: F.affine_grid(theta, size.tolist(), align_corners=bool(align))
+
+
+CASES += [
+    OpCase("AffineGrid", f"AffineGrid_2d_ac{ac}", [_r(3, 2, 3), np.array([3, 4, 5, 6])], _affine_grid_ref(ac),
+           {"align_corners": ac}, const_inputs=(1,), fd_check=False)
+    for ac in (0, 1)
+] + [OpCase("AffineGrid", "AffineGrid_3d", [_r(2, 3, 4), np.array([2, 1, 3, 4, 5])], _affine_grid_ref(0),
+            const_inputs=(1,), fd_check=False)]
