@@ -349,8 +349,9 @@ class OnnxModule(nn.Module):
     Args:
         model: path of an ``.onnx`` file, its bytes, or an ``onnx.ModelProto`` (copied, never modified).
         trainable: which float initializers become ``nn.Parameter``s: ``None`` (all but the one-element
-            ones, with a warning naming them: NOTE [scalar constants]), a list of ONNX names, or a
-            predicate ``onnx_name -> bool``. The other float initializers become buffers.
+            ones other than a layer's one-unit bias, with a warning naming them: NOTE [scalar
+            constants]), a list of ONNX names, or a predicate ``onnx_name -> bool``. The other float
+            initializers become buffers.
             Non-float initializers stay graph constants (also listed as buffers, read-only).
         outputs: the graph outputs to return (ONNX names), default every tensor output.
         output_format: ``"auto"`` (one tensor, or a tuple), ``"tuple"`` or ``"dict"`` (by output name).
@@ -385,7 +386,7 @@ class OnnxModule(nn.Module):
             raise ValueError(f"output_format must be 'auto', 'tuple' or 'dict', not {output_format!r}")
         # Everything is built in locals first: a failure leaves no half-made module behind.
         proto = _load(model, None if base_dir is None else str(base_dir))
-        _untie(proto, untie, tie)
+        _rewrite_shared(proto, untie, tie)
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
@@ -652,7 +653,7 @@ def _twins(graph: onnx.GraphProto) -> list[tuple[str, str, bool]]:
     return pairs
 
 
-def _untie(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bool = False) -> None:
+def _rewrite_shared(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bool = False) -> None:
     """NOTE [merged initializers]: torch.onnx's exporter merges equal initializers into one (every
     LayerNorm weight of a fresh model is ones, every bias zeros: one HF BERT file read a single [32]
     bias in 15 places). Trained as one tensor they stay tied, where the model had a tensor each (outputs
