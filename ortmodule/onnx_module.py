@@ -794,6 +794,73 @@ def _output_spec(kind: str, outputs: Sequence[str]) -> OutputSpec:
     return flatten_outputs(example)[1]
 
 
+def _const_array(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of an initializer or a Constant node's output, else None."""
+    for t in graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    for node in graph.node:
+        if node.op_type == "Constant" and name in node.output and node.attribute:
+            value = helper.get_attribute_value(node.attribute[0])
+            return numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else np.asarray(value)
+    return None
+
+
+def _split_sequences(graph: onnx.GraphProto) -> None:
+    """NOTE [sequence splits]: unoptimised torch.onnx files split with SplitToSequence and read the pieces
+    with SequenceAt at constant positions (GPT-2's fused q, k, v: chunks of a scalar size). Sequences have
+    no gradient rules, so where every reader is such a SequenceAt, each becomes the Slice (and, for
+    keepdims=0 unit pieces, Squeeze) of its piece, as the exporter's optimiser would have written it."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for x in node.input:
+            readers.setdefault(x, []).append(node)
+    outputs = {o.name for o in graph.output}
+    count = 0
+    for node in list(graph.node):
+        if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx"):
+            continue
+        seq, users = node.output[0], readers.get(node.output[0], [])
+        if seq in outputs or not users or any(u.op_type != "SequenceAt" for u in users):
+            continue
+        split = _const_array(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if len(node.input) > 1 and node.input[1] and split is None:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis, keepdims = int(attrs.get("axis", 0)), int(attrs.get("keepdims", 1))
+        ranges = []
+        for u in users:
+            pos = _const_array(graph, u.input[1])
+            if pos is None or pos.size != 1:
+                break
+            pos = int(pos.reshape(-1)[0])
+            if split is not None and split.ndim == 1:
+                pos %= len(split)
+                start = int(split[:pos].sum())
+                ranges.append((start, start + int(split[pos]), False))
+            elif pos < 0:  # counted from the end: needs the size along the axis
+                break
+            else:
+                size = int(split.reshape(-1)[0]) if split is not None else 1
+                ranges.append((pos * size, (pos + 1) * size, split is None and not keepdims))
+        if len(ranges) != len(users):
+            continue
+        graph.node.remove(node)
+        for u, (begin, stop, squeeze) in zip(users, ranges):
+            count += 1
+            k = list(graph.node).index(u)
+            graph.node.remove(u)
+            names = [f"ortmodule_seq{count}_{w}" for w in ("starts", "ends", "axes", "piece")]
+            new = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.array([v], np.int64)))
+                   for n, v in zip(names[:3], (begin, stop, axis))]
+            out = names[3] if squeeze else u.output[0]
+            new.append(helper.make_node("Slice", [node.input[0], *names[:3]], [out], name=u.name))
+            if squeeze:
+                new.append(helper.make_node("Squeeze", [out, names[2]], [u.output[0]], name=f"{u.name}__squeeze"))
+            for j, n in enumerate(new):
+                graph.node.insert(k + j, n)
+
+
 def _training_model(
     template: onnx.ModelProto,
     owned: Sequence[str],
@@ -811,6 +878,7 @@ def _training_model(
         except Exception as exc:
             raise OnnxLoadError(f"cannot inline the model's local functions: {exc}") from exc
     g = model.graph
+    _split_sequences(g)
     owned_set = set(owned)
     by_name = {t.name: t for t in g.initializer}
     kept_inits = [t for t in g.initializer if t.name not in owned_set]
@@ -825,11 +893,27 @@ def _training_model(
     del g.output[:]
     g.output.extend(out_vis[n] for n in outputs)
     _prune(g, outputs)
+    declared = {vi.name: vi for vi in g.value_info}
     del g.value_info[:]
     try:
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:
         raise OnnxLoadError(f"ONNX shape inference failed: {exc}") from exc
+    # NOTE [declared shapes]: ONNX shape inference loses some shapes that the exporter wrote down (an
+    # unoptimised torch.onnx file of Llama: a ReduceMean whose axes come from a Reshape, and every
+    # value after it); the rules need at least their ranks. Where inference found no shape, the
+    # file's own value_info is used. Where both exist, inference wins: it follows the graph as it is
+    # now (the owned initializers became inputs).
+    inferred = {vi.name for vi in model.graph.value_info if vi.type.tensor_type.HasField("shape")}
+    produced = {o for n in model.graph.node for o in n.output}
+    gaps = [vi for name, vi in declared.items() if name not in inferred
+            and name in produced and vi.type.tensor_type.HasField("shape")]
+    if gaps:  # inference again, from the declared shapes on
+        model.graph.value_info.extend(gaps)
+        try:
+            model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        except Exception as exc:
+            raise OnnxLoadError(f"ONNX shape inference failed with the file's declared shapes: {exc}") from exc
     return ExportedModel(
         model=model,
         output_spec=_output_spec(_output_kind(output_format, outputs), outputs),

@@ -805,3 +805,78 @@ def test_a_one_unit_bias_trains_like_eager():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train_pair(model, x, y, nn.functional.mse_loss)
+
+
+# -- unoptimised exports: sequence splits, shapes the file declares ------------------------------------
+def test_sequence_split_read_at_constant_positions_trains():
+    """NOTE [sequence splits]: SplitToSequence (chunks of 2; unit pieces squeezed) read by constant
+    SequenceAt, as unoptimised torch.onnx files split a fused projection: gradients as torch's."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 6)).astype(np.float32)
+    const = lambda name, v: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(  # noqa: E731
+        np.array(v, dtype=np.int64)))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), const("two", 2), const("p0", 0), const("p1", 1),
+             helper.make_node("SplitToSequence", ["h", "two"], ["seq"], axis=1),
+             helper.make_node("SequenceAt", ["seq", "p0"], ["a"]),
+             helper.make_node("SequenceAt", ["seq", "p1"], ["b"]),
+             helper.make_node("SplitToSequence", ["h"], ["units"], axis=1, keepdims=0),
+             helper.make_node("SequenceAt", ["units", "p1"], ["u"]),
+             helper.make_node("Mul", ["a", "b"], ["ab"]),
+             helper.make_node("Unsqueeze", ["u", "p1"], ["u1"]),
+             helper.make_node("Add", ["ab", "u1"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+                              [numpy_helper.from_array(w, "W")])
+    om = OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = torch.randn(5, 6)
+    om(x).square().sum().backward()
+    ref = torch.from_numpy(w).requires_grad_()
+    h = x @ ref
+    (h[:, 0:2] * h[:, 2:4] + h[:, 1:2]).square().sum().backward()
+    assert_close(om.W.grad, ref.grad, 1e-5, "W.grad")
+
+
+@pytest.mark.exports
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_unoptimised_hf_files_train_like_eager(arch):
+    """Fresh HF models exported with optimize=False (what README advises for untrained weights): GPT-2
+    splits q, k, v with sequences (NOTE [sequence splits]); Llama's file needs its declared shapes (NOTE
+    [declared shapes]) and keeps the rotary inv_freq buffer as an initializer, left out by trainable=."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        net = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            use_cache=False)).eval()
+    else:
+        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=64, use_cache=False)).eval()
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x).logits
+
+    model, x = Logits(), torch.randint(0, 100, (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        file = torch.onnx.export(model, (x[:2],), dynamo=True, verbose=False, optimize=False,
+                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)).model_proto
+        om = OnnxModule(file, trainable=lambda name: not name.endswith("inv_freq"))
+    eager = copy.deepcopy(model)
+    assert sum(p.numel() for p in om.parameters()) == sum(p.numel() for p in eager.parameters())
+    opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
+    for step in range(3):
+        outs = []
+        for m, opt in ((eager, opt_e), (om, opt_o)):
+            opt.zero_grad(set_to_none=True)
+            out = m(x)
+            out.square().mean().backward()
+            opt.step()
+            outs.append(out.detach())
+        assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
