@@ -348,10 +348,10 @@ class OnnxModule(nn.Module):
 
     Args:
         model: path of an ``.onnx`` file, its bytes, or an ``onnx.ModelProto`` (copied, never modified).
-        trainable: which float initializers become ``nn.Parameter``s: ``None`` (all but the one-element
-            ones other than a layer's one-unit bias, with a warning naming them: NOTE [scalar
-            constants]), a list of ONNX names, or a predicate ``onnx_name -> bool``. The other float
-            initializers become buffers.
+        trainable: which float initializers become ``nn.Parameter``s: ``None`` (all but BatchNorm
+            running statistics and the one-element ones other than a layer's one-unit bias, with a
+            warning naming those: NOTE [scalar constants], [bn statistics]), a list of ONNX names, or a
+            predicate ``onnx_name -> bool``. The other float initializers become buffers.
             Non-float initializers stay graph constants (also listed as buffers, read-only).
         outputs: the graph outputs to return (ONNX names), default every tensor output.
         output_format: ``"auto"`` (one tensor, or a tuple), ``"tuple"`` or ``"dict"`` (by output name).
@@ -390,7 +390,7 @@ class OnnxModule(nn.Module):
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
-        trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph))
+        trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph), _statistics(graph))
         tensors = {t.name: _to_torch(t) for t in graph.initializer}
 
         data_inputs = [vi for vi in graph.input if vi.name not in init_names]
@@ -749,7 +749,20 @@ def _constant_scalars(graph: onnx.GraphProto) -> list[str]:
             if t.data_type in _FLOAT_TYPES and int(np.prod(t.dims)) <= 1 and t.name not in bias]
 
 
-def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = ()) -> set[str]:
+def _statistics(graph: onnx.GraphProto) -> set[str]:
+    """Initializers read only as a BatchNormalization's running mean or variance (inputs 3 and 4). NOTE
+    [bn statistics]: they are statistics, buffers in the torch model; trained by AdamW through an
+    inference-mode BN of an unoptimised torch.onnx file, outputs were 2% off eager's after one step."""
+    stats: set[str] = set()
+    other: set[str] = set()
+    for node in graph.node:
+        for i, x in enumerate(node.input):
+            (stats if node.op_type == "BatchNormalization" and i in (3, 4) else other).add(x)
+    return stats - other
+
+
+def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = (),
+                      statistics: set[str] = frozenset()) -> set[str]:
     if trainable is None:
         # NOTE [scalar constants]: exporters store constants as initializers too: torch.onnx's dynamo
         # exporter keeps the 0.0 that fills an LSTM's initial state, fill values of masks, epsilons and
@@ -763,7 +776,7 @@ def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] 
             warnings.warn(f"OnnxModule: {len(scalars)} one-element float initializer(s) kept frozen as constants "
                           f"({shown}); pass trainable=[...] naming them to train them (NOTE [scalar constants])",
                           stacklevel=3)
-        return set(float_inits) - set(scalars)
+        return set(float_inits) - set(scalars) - statistics
     if callable(trainable):
         return {n for n in float_inits if trainable(n)}
     if isinstance(trainable, str):

@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
@@ -880,3 +881,35 @@ def test_unoptimised_hf_files_train_like_eager(arch):
             opt.step()
             outs.append(out.detach())
         assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+
+
+def test_batchnorm_running_statistics_are_not_trained():
+    """NOTE [bn statistics]: an inference-mode BatchNormalization's running mean and variance stay buffers
+    (trained, they moved the outputs 2% off eager's after one AdamW step); its scale and shift train."""
+    rng = np.random.default_rng(0)
+    arrays = {"conv.weight": rng.standard_normal((4, 3, 3, 3)), "bn.weight": rng.uniform(0.5, 1.5, 4),
+              "bn.bias": rng.standard_normal(4), "bn.running_mean": rng.standard_normal(4) * 0.3,
+              "bn.running_var": rng.uniform(0.5, 2.0, 4)}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in arrays.items()]
+    nodes = [helper.make_node("Conv", ["x", "conv.weight"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", "bn.weight", "bn.bias", "bn.running_mean",
+                                                     "bn.running_var"], ["y"], epsilon=1e-5)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 4, 4])], inits)
+    om = OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert sorted(om.onnx_names[n] for n, _ in om.named_parameters()) == ["bn.bias", "bn.weight", "conv.weight"]
+    ref = {k: torch.tensor(v, dtype=torch.float32, requires_grad=k in ("conv.weight", "bn.weight", "bn.bias"))
+           for k, v in arrays.items()}
+    opt_o = torch.optim.AdamW(om.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW([ref["conv.weight"], ref["bn.weight"], ref["bn.bias"]], lr=1e-2)
+    x = torch.randn(8, 3, 6, 6)
+    for step in range(3):
+        want = F.batch_norm(F.conv2d(x, ref["conv.weight"]), ref["bn.running_mean"], ref["bn.running_var"],
+                            ref["bn.weight"], ref["bn.bias"], training=False, eps=1e-5)
+        got = om(x)
+        assert_close(got, want, RTOL, f"output at step {step}")
+        for opt, out in ((opt_o, got), (opt_r, want)):
+            opt.zero_grad(set_to_none=True)
+            out.square().mean().backward()
+            opt.step()
+    assert torch.equal(om.get_buffer(om.attr_names["bn.running_mean"]), ref["bn.running_mean"])
