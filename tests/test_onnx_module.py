@@ -503,7 +503,8 @@ def _export_dynamo(model: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
     return prog.model_proto
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.exports)])
+@pytest.mark.parametrize("exporter", ["torchscript", "torchscript-opset11",
+                                      pytest.param("dynamo", marks=pytest.mark.exports)])
 def test_vision_decoder_file_with_resize_trains_like_eager(exporter):
     """NOTE [resize adjoint]: the files' Resize (nearest, linear, cubic at scale 2, where onnxruntime and
     torch resample alike), DepthToSpace and ReduceProd train at eager's numbers: outputs, every gradient
@@ -511,7 +512,10 @@ def test_vision_decoder_file_with_resize_trains_like_eager(exporter):
     torch.manual_seed(0)
     model = Decoder()
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8, 32, 32))
-    file = _export(model, x[:2]) if exporter == "torchscript" else _export_dynamo(model, x[:2])
+    if exporter == "dynamo":
+        file = _export_dynamo(model, x[:2])
+    else:  # opset 11's Resize (roi and scales required) is upgraded to 17 at load
+        file = _export(model, x[:2], opset=11 if exporter.endswith("opset11") else 17)
     ops = {n.op_type for n in file.graph.node}
     assert {"Resize", "DepthToSpace", "ReduceProd"} <= ops, ops
     eager, om = _train_pair(model, x, y, nn.functional.cross_entropy, onnx_model=file)

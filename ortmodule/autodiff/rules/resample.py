@@ -167,10 +167,7 @@ class _Resize:
                     parts.append([1])
             sizes = concat_shape(g, parts)
             inputs = [inp, None, None, sizes]
-        if g.opset < 13:  # roi (and scales) are not optional before opset 13
-            empty = g.const(np.zeros(0, dtype=np.float32))
-            inputs = [inputs[0], empty, inputs[2] if inputs[2] is not None else empty, *inputs[3:]]
-        return g.op("Resize", inputs, attrs, dtype=inp.dtype)
+        return g.op("Resize", inputs, attrs, dtype=inp.dtype)  # opset >= 13 (OnnxModule upgrades older files)
 
     def matrix(self, a: int) -> ir.Value:
         """R_a, [out_a, in_a], in X's dtype."""
