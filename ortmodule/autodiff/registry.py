@@ -306,5 +306,15 @@ def attr(node: ir.Node, name: str, default=None):
     return default if a is None else a.value
 
 
+def text(v) -> str:
+    """A string attribute value (onnx_ir gives bytes or str) as str."""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def attr_str(node: ir.Node, name: str, default: str) -> str:
+    """A string attribute's value as str, or ``default``."""
+    return text(attr(node, name, default))
+
+
 def input_or_none(node: ir.Node, i: int) -> ir.Value | None:
     return node.inputs[i] if i < len(node.inputs) else None

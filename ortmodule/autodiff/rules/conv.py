@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ...runtime.torch_nodes import Arg
-from ..registry import GradBuilder, attr, input_or_none, register
+from ..registry import GradBuilder, attr, attr_str, input_or_none, register
 from .aten import aten_kernels
 
 
@@ -57,9 +57,7 @@ def window_geometry(node: ir.Node, x: ir.Value, kernel: Sequence[int], y: ir.Val
     r = len(in_size)
     strides = list(attr(node, "strides", None) or [1] * r)
     dilations = list(attr(node, "dilations", None) or [1] * r)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
+    auto_pad = attr_str(node, "auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begin, end = [], []
         for i in range(r):
@@ -228,8 +226,7 @@ def _conv_grad_aten(g: GradBuilder, node: ir.Node, dys) -> list | None:
         return None
     x, w = node.inputs[0], node.inputs[1]
     b = input_or_none(node, 2)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    if (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET":
+    if attr_str(node, "auto_pad", "NOTSET") != "NOTSET":
         return None
     try:
         rank = len(_kernel(node, w))
@@ -289,9 +286,7 @@ def _conv_transpose_geometry(node: ir.Node, x: ir.Value, w: ir.Value, y: ir.Valu
     strides = list(attr(node, "strides", None) or [1] * r)
     dilations = list(attr(node, "dilations", None) or [1] * r)
     out_pad = list(attr(node, "output_padding", None) or [0] * r)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
+    auto_pad = attr_str(node, "auto_pad", "NOTSET")
     if auto_pad in ("NOTSET", "VALID") and attr(node, "output_shape") is None:
         pads = [0] * (2 * r) if auto_pad == "VALID" else list(attr(node, "pads", None) or [0] * (2 * r))
         begin, end = pads[:r], pads[r:]

@@ -46,27 +46,28 @@ def norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def const_ints(v: ir.Value | None) -> list[int] | None:
-    """The values of an integer initializer or Constant output, flattened; ``None`` if not constant."""
+def const_array(v: ir.Value | None) -> np.ndarray | None:
+    """The value of an initializer or a Constant output (any of its value attributes); ``None`` if not
+    constant."""
     if v is None:
         return None
     t = v.const_value
-    if t is None:
-        p = v.producer()
-        if p is None or p.op_type != "Constant" or p.domain not in ("", "ai.onnx"):
-            return None
-        for name in ("value", "value_ints", "value_int"):
-            a = p.attributes.get(name)
-            if a is not None:
-                val = a.value
-                if name == "value":
-                    t = val
-                    break
-                return [int(i) for i in np.asarray(val).reshape(-1)]
-        if t is None:
-            return None
-    arr = np.asarray(t.numpy())
-    if arr.dtype.kind not in "iu":
+    if t is not None:
+        return np.asarray(t.numpy())
+    p = v.producer()
+    if p is None or p.op_type != "Constant" or p.domain not in ("", "ai.onnx"):
+        return None
+    for name in ("value", "value_ints", "value_int", "value_floats", "value_float"):
+        a = p.attributes.get(name)
+        if a is not None:
+            return np.asarray(a.value.numpy() if name == "value" else a.value)
+    return None
+
+
+def const_ints(v: ir.Value | None) -> list[int] | None:
+    """The values of an integer initializer or Constant output, flattened; ``None`` if not constant."""
+    arr = const_array(v)
+    if arr is None or arr.dtype.kind not in "iu":
         return None
     return [int(i) for i in arr.reshape(-1)]
 

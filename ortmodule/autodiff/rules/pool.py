@@ -6,7 +6,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ...runtime.torch_nodes import Arg
-from ..registry import GradBuilder, attr, register, static_shape
+from ..registry import GradBuilder, attr, attr_str, register, static_shape
 from .aten import aten_kernels
 from .conv import WindowGeometry, window_adjoint, window_geometry
 from .indexing import scatter_elements_add
@@ -30,8 +30,7 @@ def _max_pool_grad_aten(g: GradBuilder, node: ir.Node, dy: ir.Value) -> ir.Value
         return None
     (x,) = node.inputs
     kernel = list(attr(node, "kernel_shape"))
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    if len(kernel) != 2 or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) != "NOTSET":
+    if len(kernel) != 2 or attr_str(node, "auto_pad", "NOTSET") != "NOTSET":
         return None
     pads = list(attr(node, "pads", None) or [0] * 4)
     if pads[:2] != pads[2:] or any(2 * p > k for p, k in zip(pads[:2], kernel)):

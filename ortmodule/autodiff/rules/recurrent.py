@@ -6,19 +6,15 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ...runtime.torch_nodes import Arg
-from ..registry import GradBuilder, attr, input_or_none, register, register_check
+from ..registry import GradBuilder, attr, attr_str, input_or_none, register, register_check, text
 
 _DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"]}
 
 
-def _text(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _refusal(node: ir.Node) -> str | None:
     """What torch's recurrent kernels (which give the gradient) do not compute, or None."""
-    n_dir = 2 if _text(attr(node, "direction", "forward")) == "bidirectional" else 1
-    acts = [_text(a).lower() for a in (attr(node, "activations") or [])]
+    n_dir = 2 if attr_str(node, "direction", "forward") == "bidirectional" else 1
+    acts = [text(a).lower() for a in (attr(node, "activations") or [])]
     if node.op_type == "RNN":
         acts = acts or ["tanh"] * n_dir
         bad_acts = len(set(acts)) != 1 or acts[0] not in ("tanh", "relu")
@@ -54,13 +50,13 @@ def _kind(node: ir.Node) -> str:
         raise NotImplementedError(f"{node.op_type} node {node.name!r}: {why}")
     if node.op_type != "RNN":
         return node.op_type
-    acts = [_text(a).lower() for a in (attr(node, "activations") or [])]
+    acts = [text(a).lower() for a in (attr(node, "activations") or [])]
     return "RNN_RELU" if acts and acts[0] == "relu" else "RNN_TANH"
 
 
 def _recurrent_grad(g: GradBuilder, node: ir.Node, dys):
     """dX, dW, dR, dB, d initial_h, d initial_c from one ``ortmodule::onnx_rnn_backward`` node."""
-    direction = _text(attr(node, "direction", "forward"))
+    direction = attr_str(node, "direction", "forward")
     kind = _kind(node)
     names = ("x", "w", "r", "b", "h0", "c0")
     index = {"x": 0, "w": 1, "r": 2, "b": 3, "h0": 5, "c0": 6}

@@ -27,26 +27,10 @@ import numpy as np
 import onnx_ir as ir
 
 from ...runtime.torch_nodes import Arg
-from ..registry import GradBuilder, attr, input_or_none, register, register_check
-from .indexing import concat_shape, const_ints, rank_of, shape_part
+from ..registry import GradBuilder, attr, attr_str, input_or_none, register, register_check
+from .indexing import concat_shape, const_array, const_ints, rank_of, shape_part
 
 _I64 = ir.DataType.INT64
-
-
-def _text(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _const_floats(v: ir.Value | None) -> list[float] | None:
-    if v is None:
-        return None
-    t = v.const_value
-    if t is None:
-        p = v.producer()
-        if p is None or p.op_type != "Constant" or p.domain not in ("", "ai.onnx") or "value" not in p.attributes:
-            return None
-        t = p.attributes["value"].value
-    return [float(f) for f in np.asarray(t.numpy()).reshape(-1)]
 
 
 def _is_shape_of(v: ir.Value, x: ir.Value, d: int, k: int) -> bool:
@@ -86,10 +70,10 @@ def _is_shape_of(v: ir.Value, x: ir.Value, d: int, k: int) -> bool:
 
 @register_check("Resize")
 def _resize_refusal(node: ir.Node) -> str | None:
-    if _text(attr(node, "coordinate_transformation_mode", "half_pixel")) == "tf_crop_and_resize":
+    if attr_str(node, "coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize":
         return ("no gradient rule for coordinate_transformation_mode 'tf_crop_and_resize' (it reads roi and "
                 "extrapolates outside it)")
-    if _text(attr(node, "keep_aspect_ratio_policy", "stretch")) != "stretch":
+    if attr_str(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
         return "no gradient rule for keep_aspect_ratio_policy other than 'stretch'"
     return None
 
@@ -101,8 +85,8 @@ class _Resize:
         self.g, self.node = g, node
         self.x = node.inputs[0]
         self.rank = rank_of(self.x)
-        self.mode = _text(attr(node, "mode", "nearest"))
-        ctm = _text(attr(node, "coordinate_transformation_mode", "half_pixel"))
+        self.mode = attr_str(node, "mode", "nearest")
+        ctm = attr_str(node, "coordinate_transformation_mode", "half_pixel")
         where = f"Resize node {node.name!r}"
         why = _resize_refusal(node)
         if why is not None:
@@ -110,7 +94,8 @@ class _Resize:
         axes = attr(node, "axes")
         self.axes = [a + self.rank if a < 0 else a for a in axes] if axes is not None else list(range(self.rank))
         scales, sizes = input_or_none(node, 2), input_or_none(node, 3)
-        scale_vals = _const_floats(scales)
+        arr = const_array(scales)
+        scale_vals = None if arr is None else [float(f) for f in arr.reshape(-1)]
         if scales is not None and scale_vals == []:
             scales, scale_vals = None, None
         size_vals = const_ints(sizes)
@@ -120,8 +105,8 @@ class _Resize:
             raise ValueError(f"{where}: needs exactly one of scales and sizes that is known to be non-empty")
         self.scales, self.scale_vals, self.sizes, self.size_vals = scales, scale_vals, sizes, size_vals
         # Where a scale of 1 maps each position onto itself (every mode but these nearest roundings)
-        self.one_is_identity = not (self.mode == "nearest" and ctm == "tf_half_pixel_for_nn" and _text(
-            attr(node, "nearest_mode", "round_prefer_floor")) in ("ceil", "round_prefer_ceil"))
+        self.one_is_identity = not (self.mode == "nearest" and ctm == "tf_half_pixel_for_nn" and attr_str(
+            node, "nearest_mode", "round_prefer_floor") in ("ceil", "round_prefer_ceil"))
 
     def unchanged(self, d: int) -> bool:
         """Whether the graph proves axis ``d`` untouched (so its R is the identity)."""
@@ -228,7 +213,7 @@ def depth_to_space_grad(g: GradBuilder, node: ir.Node, dys):
     (x,) = node.inputs
     b = int(attr(node, "blocksize"))
     dy = dys[0]
-    if _text(attr(node, "mode", "DCR")) == "DCR":
+    if attr_str(node, "mode", "DCR") == "DCR":
         return [g.op("SpaceToDepth", [dy], {"blocksize": b}, dtype=x.dtype, shape=x.shape)]
     # CRD: X[n, c*b*b + i*b + j, h, w] = Y[n, c, h*b + i, w*b + j]
     n, c_out = shape_part(g, dy, 0, 1), shape_part(g, dy, 1, 2)
@@ -257,7 +242,7 @@ _GRID_PADDING = {"zeros": 0, "border": 1, "reflection": 2}
 
 @register_check("GridSample")
 def _grid_sample_refusal(node: ir.Node) -> str | None:
-    mode = _text(attr(node, "mode", "linear"))  # opset 16 says "bilinear", 20 "linear": the same
+    mode = attr_str(node, "mode", "linear")  # opset 16 says "bilinear", 20 "linear": the same
     if mode not in _GRID_MODES:
         return f"no gradient rule for mode {mode!r}"
     x = node.inputs[0]
@@ -276,8 +261,8 @@ def grid_sample_grad(g: GradBuilder, node: ir.Node, dys):
     if why is not None:
         raise NotImplementedError(f"GridSample node {node.name!r}: {why}")
     x, grid = node.inputs
-    mode = _GRID_MODES[_text(attr(node, "mode", "linear"))]
-    padding = _GRID_PADDING[_text(attr(node, "padding_mode", "zeros"))]
+    mode = _GRID_MODES[attr_str(node, "mode", "linear")]
+    padding = _GRID_PADDING[attr_str(node, "padding_mode", "zeros")]
     align = bool(attr(node, "align_corners", 0))
     op = "aten::grid_sampler_2d_backward" if x.shape.rank() == 4 else "aten::grid_sampler_3d_backward"
     dx, dgrid = g.aten(op, [dys[0], x, grid], [Arg(0), Arg(1), Arg(2), mode, padding, align, [True, True]], [0, 1])
