@@ -495,10 +495,10 @@ class Decoder(nn.Module):
         return logits * gates[:, :, None, None]
 
 
-def _export_dynamo(model: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+def _export_dynamo(model: nn.Module, x: torch.Tensor, optimize: bool = True) -> onnx.ModelProto:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(model, (x,), dynamo=True, verbose=False,
+        prog = torch.onnx.export(model, (x,), dynamo=True, verbose=False, optimize=optimize,
                                  dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
     return prog.model_proto
 
@@ -656,44 +656,34 @@ def test_one_element_initializers_stay_constants_unless_named():
 
 
 # -- what exporters change: merged, dropped and doubled initializers ------------------------------------
-def _hf_bert_file(trained: bool):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                  num_labels=3)
-    bert = transformers.BertForSequenceClassification(cfg).eval()
-    if trained:  # as a fine-tuned checkpoint: no two weights alike, no zero bias
+class _Logits(nn.Module):
+    """An HF model's logits: what the files below are exported from."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).logits
+
+
+def _hf_file(net: nn.Module, batch: int, trained: bool, optimize: bool = True):
+    """_Logits(net), a batch of tokens and its torch.onnx (dynamo) file; ``trained`` moves every weight
+    first, as in a fine-tuned checkpoint (no two weights alike, no zero bias)."""
+    if trained:
         with torch.no_grad():
-            for p in bert.parameters():
+            for p in net.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
-
-    class Logits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, x):
-            return self.bert(x).logits
-
-    model, x = Logits(), torch.randint(0, 100, (8, 16))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        file = torch.onnx.export(model, (x[:2],), dynamo=True, verbose=False,
-                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)).model_proto
-    return model, x, file
+    model, x = _Logits(net), torch.randint(0, 100, (batch, 16))
+    return model, x, _export_dynamo(model, x[:2], optimize)
 
 
-@pytest.mark.exports
-def test_hf_bert_checkpoint_file_trains_like_eager():
-    """A fine-tuned HF BERT exported by torch.onnx (dynamo, default optimisation) trains at eager's numbers:
-    outputs at each of 3 AdamW steps, then on a new batch."""
-    model, x, file = _hf_bert_file(trained=True)
-    eager, om = copy.deepcopy(model), OnnxModule(file)
+def _assert_logits_train_alike(model: nn.Module, om: OnnxModule, x: torch.Tensor, steps: int = 3):
+    """As many trained numbers as eager; logits at eager's numbers at each AdamW step; returns the eager copy."""
+    eager = copy.deepcopy(model)
     assert sum(p.numel() for p in om.parameters()) == sum(p.numel() for p in eager.parameters())
     opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
-    for step in range(3):
+    for step in range(steps):
         outs = []
         for m, opt in ((eager, opt_e), (om, opt_o)):
             opt.zero_grad(set_to_none=True)
@@ -702,6 +692,26 @@ def test_hf_bert_checkpoint_file_trains_like_eager():
             opt.step()
             outs.append(out.detach())
         assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+    return eager
+
+
+def _hf_bert_file(trained: bool):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  num_labels=3)
+    return _hf_file(transformers.BertForSequenceClassification(cfg).eval(), 8, trained)
+
+
+@pytest.mark.exports
+def test_hf_bert_checkpoint_file_trains_like_eager():
+    """A fine-tuned HF BERT exported by torch.onnx (dynamo, default optimisation) trains at eager's numbers:
+    outputs at each of 3 AdamW steps, then on a new batch."""
+    model, x, file = _hf_bert_file(trained=True)
+    om = OnnxModule(file)
+    eager = _assert_logits_train_alike(model, om, x)
     x2 = torch.randint(0, 100, (5, 16))
     with torch.no_grad():
         assert_close(om(x2), eager(x2), RTOL, "logits after training")
@@ -723,7 +733,7 @@ def test_merged_initializers_warn_and_untie():
     assert n_untied == n_tied + 14 + 4 + 1, (n_tied, n_untied)  # 14 bias copies, 4 LayerNorm weights, 1 FFN bias
     out = untied(x)
     out.square().mean().backward()
-    grads = [untied.get_parameter(untied.attr_names[f"bert.bert.embeddings.LayerNorm.bias.{k}"]).grad for k in (1, 2)]
+    grads = [untied.get_parameter(untied.attr_names[f"net.bert.embeddings.LayerNorm.bias.{k}"]).grad for k in (1, 2)]
     assert not torch.equal(grads[0], grads[1])  # each reader its own gradient
     with torch.no_grad():
         again = OnnxModule(untied.to_onnx())
@@ -760,37 +770,11 @@ def test_hf_gpt2_checkpoint_file_with_tied_embeddings_trains_like_eager():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # as a fine-tuned checkpoint
-        for p in gpt2.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-
-    class Logits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gpt2 = gpt2
-
-        def forward(self, x):
-            return self.gpt2(x).logits
-
-    model, x = Logits(), torch.randint(0, 100, (4, 16))
+    model, x, file = _hf_file(transformers.GPT2LMHeadModel(cfg).eval(), 4, trained=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        file = torch.onnx.export(model, (x[:2],), dynamo=True, verbose=False,
-                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)).model_proto
         om = OnnxModule(file, tie=True)
-    eager = copy.deepcopy(model)
-    assert sum(p.numel() for p in om.parameters()) == sum(p.numel() for p in eager.parameters())
-    opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
-    for step in range(3):
-        outs = []
-        for m, opt in ((eager, opt_e), (om, opt_o)):
-            opt.zero_grad(set_to_none=True)
-            out = m(x)
-            out.square().mean().backward()
-            opt.step()
-            outs.append(out.detach())
-        assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+    _assert_logits_train_alike(model, om, x)
 
 
 class Regressor(nn.Module):
@@ -858,33 +842,11 @@ def test_unoptimised_hf_files_train_like_eager(arch):
         net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             intermediate_size=64, use_cache=False)).eval()
-
-    class Logits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            return self.net(x).logits
-
-    model, x = Logits(), torch.randint(0, 100, (4, 16))
+    model, x, file = _hf_file(net, 4, trained=False, optimize=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        file = torch.onnx.export(model, (x[:2],), dynamo=True, verbose=False, optimize=False,
-                                 dynamic_shapes=({0: torch.export.Dim("batch", min=2)},)).model_proto
         om = OnnxModule(file, trainable=lambda name: not name.endswith("inv_freq"))
-    eager = copy.deepcopy(model)
-    assert sum(p.numel() for p in om.parameters()) == sum(p.numel() for p in eager.parameters())
-    opt_e, opt_o = torch.optim.AdamW(eager.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
-    for step in range(3):
-        outs = []
-        for m, opt in ((eager, opt_e), (om, opt_o)):
-            opt.zero_grad(set_to_none=True)
-            out = m(x)
-            out.square().mean().backward()
-            opt.step()
-            outs.append(out.detach())
-        assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+    _assert_logits_train_alike(model, om, x)
 
 
 def test_batchnorm_running_statistics_are_not_trained():
