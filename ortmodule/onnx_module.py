@@ -824,6 +824,8 @@ def _split_sequences(graph: onnx.GraphProto) -> None:
     with SequenceAt at constant positions (GPT-2's fused q, k, v: chunks of a scalar size). Sequences have
     no gradient rules, so where every reader is such a SequenceAt, each becomes the Slice (and, for
     keepdims=0 unit pieces, Squeeze) of its piece, as the exporter's optimiser would have written it."""
+    if not any(node.op_type == "SplitToSequence" for node in graph.node):
+        return  # the common case: no map of readers to build
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for x in node.input:
