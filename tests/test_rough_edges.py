@@ -89,3 +89,33 @@ def test_embedding_with_max_norm_falls_back_naming_it_and_renormalises_once():
     assert any("max_norm" in str(w.message) for w in caught)
     assert torch.equal(wrapped.module.emb.weight, eager.emb.weight)  # renormalised once per call
     assert torch.allclose(wrapped.module.out.weight.grad, eager.out.weight.grad)
+
+
+def test_sparse_embedding_falls_back_naming_it_and_keeps_its_sparse_gradient():
+    """Before: the gradient came back dense, and torch.optim.SparseAdam refused it on the first step."""
+
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(500, 16, sparse=True)
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.out(self.emb(ids))
+
+    torch.manual_seed(0)
+    eager = Lookup()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    opts = [torch.optim.SparseAdam([m.emb.weight], lr=1e-2) for m in (eager, wrapped.module)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            ids = torch.randint(0, 500, (64, 128), generator=torch.Generator().manual_seed(step))
+            for m, opt in zip((eager, wrapped), opts):
+                opt.zero_grad()
+                m(ids).square().sum().backward()
+                opt.step()
+    assert any("sparse=True" in str(w.message) for w in caught)
+    assert wrapped.module.emb.weight.grad.is_sparse
+    assert torch.allclose(wrapped.module.emb.weight, eager.emb.weight, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(wrapped.module.out.weight.grad, eager.out.weight.grad, rtol=1e-5, atol=1e-6)

@@ -74,9 +74,11 @@ def node_reads(node: ir.Node) -> list[ir.Value]:
     return reads
 
 
-def differentiable_values(graph: ir.Graph, wrt: Sequence[ir.Value]) -> set[ir.Value]:
-    """Float values that depend on ``wrt`` through differentiable ops."""
-    active: set[ir.Value] = {v for v in wrt if is_float(v.dtype)}
+def differentiable_values(graph: ir.Graph, wrt: Sequence[ir.Value], *, untyped: bool = False) -> set[ir.Value]:
+    """Float values that depend on ``wrt`` through differentiable ops (with ``untyped``, values whose
+    type is not known yet count as float: a translation before shape inference)."""
+    float_ = (lambda v: v.dtype is None or is_float(v.dtype)) if untyped else (lambda v: is_float(v.dtype))
+    active: set[ir.Value] = {v for v in wrt if float_(v)}
     for node in graph:
         if not any(v in active for v in node_reads(node)):
             continue
@@ -86,7 +88,7 @@ def differentiable_values(graph: ir.Graph, wrt: Sequence[ir.Value]) -> set[ir.Va
         if node.metadata_props.get(STOP_GRADIENT_KEY):
             continue  # NOTE [stop gradient]: .detach(), no_grad blocks, padding_idx rows
         for out in node.outputs:
-            if is_float(out.dtype):
+            if float_(out):
                 active.add(out)
     return active
 

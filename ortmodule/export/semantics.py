@@ -734,6 +734,13 @@ class _Base(TorchFunctionMode):
             raise UnsupportedTrace(
                 "an embedding with max_norm (nn.Embedding(max_norm=...)) renormalises the looked-up rows of its "
                 "weight in place on every call, a write into a parameter that a compiled graph cannot replay")
+        if b.get("sparse") and torch.is_grad_enabled():
+            # eager's gradient is a sparse tensor over the looked-up rows (SparseAdam takes only those,
+            # and moves a looked-up row whose gradient is 0); ORT computes it dense
+            raise UnsupportedTrace(
+                "an embedding with sparse=True (nn.Embedding(sparse=True)) has a sparse gradient in eager "
+                "PyTorch, ONNX Runtime computes it dense. Use sparse=False with a dense optimizer (torch.optim.SGD, "
+                "Adagrad and Adam give the same numbers) to train it in ORT")
         idx = b["input"]
         if isinstance(idx, torch.Tensor) and not idx.is_floating_point():
             # NOTE [negative ids]: ONNX Gather reads -1 as the last row, torch's embedding raises

@@ -92,7 +92,7 @@ def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
     with no gradient rule: they become torch nodes (NOTE [torch nodes])."""
     import onnx_ir as ir
 
-    from ..autodiff.builder import differentiable_values
+    from ..autodiff.builder import differentiable_values, node_reads
     from ..autodiff.registry import is_float, lookup
     from .semantics import MASK_DOMAIN
 
@@ -101,11 +101,12 @@ def nodes_without_rules(model: onnx.ModelProto) -> dict[str, str]:
     if not missing:
         return {}
     graph = ir.serde.deserialize_model(model).graph
-    active = differentiable_values(graph, [v for v in graph.inputs if is_float(v.dtype)])
+    # untyped: torchlib's Loops (embedding_bag's) and sequences have no types before shape inference
+    active = differentiable_values(graph, [v for v in graph.inputs if is_float(v.dtype)], untyped=True)
     found: dict[str, str] = {}
     for node in graph:
         if node.domain == MASK_DOMAIN or lookup(node.domain, node.op_type) is not None \
-                or not any(v in active for v in node.inputs if v is not None):
+                or not any(v in active for v in node_reads(node)):
             continue
         meta = node.metadata_props.get("pkg.torch.onnx.fx_node")
         match = _FX_NAME.match(meta or "")
