@@ -349,8 +349,9 @@ class OnnxModule(nn.Module):
     Args:
         model: path of an ``.onnx`` file, its bytes, or an ``onnx.ModelProto`` (copied, never modified).
         trainable: which float initializers become ``nn.Parameter``s: ``None`` (all but BatchNorm
-            running statistics and the one-element ones other than a layer's one-unit bias, with a
-            warning naming those: NOTE [scalar constants], [bn statistics]), a list of ONNX names, or a
+            running statistics, position tables and the one-element ones other than a layer's one-unit
+            bias, with a warning naming those: NOTE [scalar constants], [bn statistics], [position
+            tables]), a list of ONNX names, or a
             predicate ``onnx_name -> bool``. The other float initializers become buffers.
             Non-float initializers stay graph constants (also listed as buffers, read-only).
         outputs: the graph outputs to return (ONNX names), default every tensor output.
@@ -390,8 +391,9 @@ class OnnxModule(nn.Module):
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
-        trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph), _statistics(graph))
         tensors = {t.name: _to_torch(t) for t in graph.initializer}
+        trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph), _statistics(graph),
+                                          _position_tables(float_inits, tensors) if trainable is None else ())
 
         data_inputs = [vi for vi in graph.input if vi.name not in init_names]
         for vi in data_inputs:
@@ -761,8 +763,59 @@ def _statistics(graph: onnx.GraphProto) -> set[str]:
     return stats - other
 
 
+def _sinusoidal(a: np.ndarray) -> bool:
+    """Whether ``a``'s columns over its second-to-last axis are sinusoids of the position: each column
+    follows x[s+1] + x[s-1] = 2 c x[s] (cos(s t) and sin(s t) both do, with c = cos t), at least one of
+    them oscillates (a linear ramp meets the recurrence with c = 1), and there are 5 positions or more
+    (3 equations for each column's one c)."""
+    if a.ndim < 2 or a.shape[-2] < 5 or a.size != a.shape[-2] * a.shape[-1]:
+        return False
+    t = a.reshape(a.shape[-2], a.shape[-1])
+    if a.shape[-2] > 5 and not _sinusoidal(t[:5]):  # most weights fail on their first rows already
+        return False
+    t = t.astype(np.float64)
+    scale = float(np.abs(t).max())
+    if not np.isfinite(scale) or scale == 0.0:
+        return False
+    mid, sides = t[1:-1], t[2:] + t[:-2]
+    power = (mid * mid).sum(0)
+    c = np.where(power > 0, (sides * mid).sum(0) / (2 * np.maximum(power, 1e-300)), 1.0)
+    residual = np.abs(sides - 2 * c * mid).max()
+    oscillates = (np.ptp(t, axis=0) > 0.1 * scale) & (np.abs(c) < 0.999)  # not a ramp (c = 1), not constant
+    return bool(residual <= 1e-4 * scale and np.all(np.abs(c) <= 1 + 1e-4) and np.any(oscillates))
+
+
+def _frequencies(a: np.ndarray) -> bool:
+    """A rotary embedding's inverse frequencies: base ** (-2i / d), a 1-D geometric sequence from 1 down."""
+    if a.ndim != 1 or a.size < 2 or a[0] != 1.0 or np.any(a <= 0):
+        return False
+    ratio = a[1:].astype(np.float64) / a[:-1]
+    return bool(ratio[0] < 1 and np.all(np.abs(ratio / ratio[0] - 1) <= 1e-5))
+
+
+def _position_tables(names: Sequence[str], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """NOTE [position tables]: float initializers that hold a model's position encoding rather than
+    weights. A rotary model's ``inv_freq`` buffer is stored as an initializer (torch.onnx without
+    optimisation), or its cos / sin tables are folded into initializers (``unsqueeze_14`` /
+    ``unsqueeze_15`` of an optimised Llama, Mistral, Qwen2, GPT-NeoX or Phi file); so are fixed
+    sinusoidal position tables. Nothing in the file marks them as buffers, and trained they moved an HF
+    Llama file's logits 1.3e-4 off eager's in two AdamW steps. They are recognised by their values: an
+    initializer named ``*inv_freq`` or holding a geometric sequence from 1 down (the frequencies), or
+    whose columns are sinusoids over the positions (a three-term recurrence per column no trained or
+    random weight meets). A table fine-tuned off the sinusoids no longer matches, and trains."""
+    found = []
+    for name in names:
+        t = tensors[name]
+        if t.numel() < 2:
+            continue
+        a = t.detach().float().numpy()
+        if name.endswith("inv_freq") or _frequencies(a) or _sinusoidal(a):
+            found.append(name)
+    return found
+
+
 def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = (),
-                      statistics: set[str] = frozenset()) -> set[str]:
+                      statistics: set[str] = frozenset(), tables: Sequence[str] = ()) -> set[str]:
     if trainable is None:
         # NOTE [scalar constants]: exporters store constants as initializers too: torch.onnx's dynamo
         # exporter keeps the 0.0 that fills an LSTM's initial state, fill values of masks, epsilons and
@@ -776,7 +829,12 @@ def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] 
             warnings.warn(f"OnnxModule: {len(scalars)} one-element float initializer(s) kept frozen as constants "
                           f"({shown}); pass trainable=[...] naming them to train them (NOTE [scalar constants])",
                           stacklevel=3)
-        return set(float_inits) - set(scalars) - statistics
+        if tables:
+            warnings.warn(f"OnnxModule: {len(tables)} initializer(s) hold position encodings, not weights (rotary "
+                          f"frequencies or cos/sin tables: {', '.join(repr(n) for n in tables[:10])}"
+                          f"{' ...' if len(tables) > 10 else ''}); kept frozen as buffers, as in the torch model. "
+                          "Pass trainable=[...] naming them to train them (NOTE [position tables])", stacklevel=3)
+        return set(float_inits) - set(scalars) - statistics - set(tables)
     if callable(trainable):
         return {n for n in float_inits if trainable(n)}
     if isinstance(trainable, str):

@@ -843,10 +843,112 @@ def test_unoptimised_hf_files_train_like_eager(arch):
             vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             intermediate_size=64, use_cache=False)).eval()
     model, x, file = _hf_file(net, 4, trained=False, optimize=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        om = OnnxModule(file, trainable=lambda name: not name.endswith("inv_freq"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        om = OnnxModule(file)
+    if arch == "llama":  # NOTE [position tables]: its inv_freq buffer stays one
+        assert any("'net.model.rotary_emb.inv_freq'" in str(w.message) for w in caught)
     _assert_logits_train_alike(model, om, x)
+
+
+@pytest.mark.exports
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rotary_checkpoint_files_train_like_eager(arch):
+    """Fine-tuned rotary LMs exported by torch.onnx (dynamo, default optimisation) fold their cos / sin
+    tables into initializers; they stay buffers (NOTE [position tables]) and the file trains at eager's
+    numbers over 3 AdamW steps (trained, the tables had moved the logits 1.3e-4 off in two)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    kind = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+            "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[arch]
+    net = kind[0](kind[1](vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, use_cache=False)).eval()
+    model, x, file = _hf_file(net, 4, trained=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        om = OnnxModule(file, tie=True)
+    assert any("position encodings" in str(w.message) for w in caught)
+    _assert_logits_train_alike(model, om, x)
+
+
+def _rotary_tables(positions: int, dim: int, base: float = 10000.0, scale: float = 1.0):
+    """inv_freq, cos and sin as an HF rotary embedding computes them (float32), [1, 1, S, D]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = torch.arange(positions).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return inv_freq, (emb.cos() * scale)[None, None], (emb.sin() * scale)[None, None]
+
+
+def test_position_tables_are_told_from_weights_by_their_values():
+    """NOTE [position tables]: rotary frequencies and cos / sin tables (also scaled, as YaRN's are, and the
+    classic interleaved sinusoidal table) are recognised; weights of every usual kind are not: random,
+    zero, one, identity and ramp tables, LayerNorm weights, a sinusoidal table fine-tuned off its values,
+    a table of 4 positions."""
+    from ortmodule.onnx_module import _position_tables
+
+    torch.manual_seed(0)
+    inv_freq, cos, sin = _rotary_tables(16, 16)
+    _, ycos, ysin = _rotary_tables(64, 32, base=500000.0, scale=1.17)
+    pos = torch.arange(50).float()[:, None] * torch.exp(torch.arange(0, 24, 2).float() * (-np.log(10000.0) / 24))
+    sinusoidal = torch.stack((pos.sin(), pos.cos()), -1).flatten(1)  # [50, 24], sin and cos interleaved
+    tables = {"inv_freq_renamed": inv_freq, "unsqueeze_14": cos, "unsqueeze_15": sin, "yarn_cos": ycos,
+              "yarn_sin": ysin, "pe": sinusoidal, "rotary_emb.inv_freq": torch.rand(8)}
+    weights = {"w": torch.randn(64, 64) * 0.02, "zeros": torch.zeros(16, 16), "ones": torch.ones(1, 1, 16, 16),
+               "eye": torch.eye(32), "ramp": torch.arange(16.0)[:, None].expand(16, 8).clone(),
+               "ln.weight": torch.ones(32), "bias": torch.zeros(32), "decay": torch.full((8,), 0.5),
+               "tuned_pe": sinusoidal + 0.02 * torch.randn_like(sinusoidal), "short": cos[..., :4, :],
+               "emb": torch.randn(100, 32)}
+    found = _position_tables([*tables, *weights], {**tables, **weights})
+    assert sorted(found) == sorted(tables)
+
+
+def _rotary_graph(positions: int = 16, dim: int = 16):
+    """q = x W rotated by cos / sin tables (half rotation, as Llama's), then an output projection."""
+    rng = np.random.default_rng(0)
+    _, cos, sin = _rotary_tables(positions, dim)
+    arrays = {"wq": rng.standard_normal((dim, dim)) * 0.3, "wo": rng.standard_normal((dim, 4)) * 0.3,
+              "unsqueeze_14": cos[0, 0].numpy(), "unsqueeze_15": sin[0, 0].numpy()}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in arrays.items()]
+    inits.append(numpy_helper.from_array(np.array([dim // 2, dim // 2], dtype=np.int64), "halves"))
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"]),
+             helper.make_node("Split", ["q", "halves"], ["q1", "q2"], axis=-1),
+             helper.make_node("Neg", ["q2"], ["nq2"]),
+             helper.make_node("Concat", ["nq2", "q1"], ["rot"], axis=-1),
+             helper.make_node("Mul", ["q", "unsqueeze_14"], ["qc"]),
+             helper.make_node("Mul", ["rot", "unsqueeze_15"], ["qs"]),
+             helper.make_node("Add", ["qc", "qs"], ["qr"]),
+             helper.make_node("MatMul", ["qr", "wo"], ["y"])]
+    graph = helper.make_graph(nodes, "rope", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                           ["N", positions, dim])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", positions, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), arrays
+
+
+def test_rotary_tables_of_a_file_stay_buffers_and_the_weights_train_like_torch():
+    """NOTE [position tables]: an optimised rotary file's folded cos / sin tables are kept frozen, with a
+    warning naming them (trained, they moved a Llama file's logits off eager's); the weights train at
+    torch's numbers over 3 AdamW steps; trainable= naming a table still trains it."""
+    file, arrays = _rotary_graph()
+    with pytest.warns(UserWarning, match=r"position encodings.*'unsqueeze_14', 'unsqueeze_15'"):
+        om = OnnxModule(file)
+    assert sorted(om.onnx_names[n] for n, _ in om.named_parameters()) == ["wo", "wq"]
+    ref = {k: torch.tensor(v, dtype=torch.float32, requires_grad=k in ("wq", "wo")) for k, v in arrays.items()}
+    opt_o, opt_r = torch.optim.AdamW(om.parameters(), lr=1e-2), torch.optim.AdamW([ref["wq"], ref["wo"]], lr=1e-2)
+    x = torch.randn(8, 16, 16)
+    for step in range(3):
+        q = x @ ref["wq"]
+        rot = torch.cat((-q[..., 8:], q[..., :8]), -1)
+        want = (q * ref["unsqueeze_14"] + rot * ref["unsqueeze_15"]) @ ref["wo"]
+        got = om(x)
+        assert_close(got, want, RTOL, f"output at step {step}")
+        for opt, out in ((opt_o, got), (opt_r, want)):
+            opt.zero_grad(set_to_none=True)
+            out.square().mean().backward()
+            opt.step()
+    assert torch.equal(om.get_buffer(om.attr_names["unsqueeze_14"]), ref["unsqueeze_14"])
+    named = OnnxModule(file, trainable=["wq", "wo", "unsqueeze_14"])
+    assert sorted(named.onnx_names[n] for n, _ in named.named_parameters()) == ["unsqueeze_14", "wo", "wq"]
 
 
 def test_batchnorm_running_statistics_are_not_trained():
