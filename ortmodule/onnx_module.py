@@ -195,6 +195,28 @@ def _load(source: str | os.PathLike | onnx.ModelProto | bytes, base_dir: str | N
     return model
 
 
+def _standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
+    """NOTE [contrib ops]: onnxruntime's fused ``com.microsoft`` ops written out as standard ops (opset
+    17 at least, for LayerNormalization). Raises OnnxLoadError naming a node it cannot write out."""
+    from .passes.contrib import NEEDED_OPSET, ContribOpError, expand_contrib_ops, has_contrib_ops
+
+    if not has_contrib_ops(model):
+        return model
+    opset = _default_opset(model)
+    if opset < NEEDED_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, NEEDED_OPSET)
+        except Exception as exc:
+            raise OnnxLoadError(f"the model's com.microsoft ops are written out with opset {NEEDED_OPSET} ops, and "
+                                f"onnx.version_converter could not upgrade it from opset {opset}: {exc}") from exc
+    try:
+        expand_contrib_ops(model)
+    except ContribOpError as exc:
+        raise OnnxLoadError(f"{exc} (NOTE [contrib ops]); export the model without onnxruntime's transformer "
+                            "optimizer (or with fewer fusions) to train it") from exc
+    return model
+
+
 def _without_external_data(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy for onnx.checker, external tensors replaced by empty placeholders.
 
@@ -387,6 +409,7 @@ class OnnxModule(nn.Module):
             raise ValueError(f"output_format must be 'auto', 'tuple' or 'dict', not {output_format!r}")
         # Everything is built in locals first: a failure leaves no half-made module behind.
         proto = _load(model, None if base_dir is None else str(base_dir))
+        proto = _standard_ops(proto)
         _rewrite_shared(proto, untie, tie)
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}

@@ -1,0 +1,245 @@
+"""NOTE [contrib ops]: files optimised for inference by onnxruntime's transformer optimizer hold fused
+``com.microsoft`` ops; OnnxModule writes them out as standard ops. Each form is checked against
+onnxruntime's own fused kernel (the forward) and torch's autograd of the same formula (every gradient)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
+
+from ortmodule import OnnxModule
+from ortmodule.onnx_module import OnnxLoadError
+
+from .helpers import assert_close
+
+B, S, H, HEADS = 3, 12, 16, 2
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _attention_ref(x, w, b, mask=None, lengths=None, causal=False, fill=-10000.0):
+    q, k, v = (x @ w + b).split(H, -1)
+    split = lambda t: t.unflatten(-1, (HEADS, H // HEADS)).transpose(1, 2)  # noqa: E731
+    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(H // HEADS)
+    if lengths is not None:
+        mask = (torch.arange(S)[None, :] < lengths[:, None].long()).int()
+    if mask is not None:
+        scores = scores + torch.where(mask > 0, 0.0, fill)[:, None, None, :]
+    if causal:
+        scores = scores + torch.where(torch.ones(S, S, dtype=torch.bool).triu(1), fill, 0.0)
+    return (scores.softmax(-1) @ split(v)).transpose(1, 2).flatten(2)
+
+
+def _ln(x, g, b, eps):
+    return F.layer_norm(x, (x.shape[-1],), g, b, eps)
+
+
+def _rms(x, g, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * g
+
+
+def _mask():
+    m = np.ones((B, S), np.int32)
+    m[1, 7:] = 0
+    m[2, 2:] = 0
+    return m
+
+
+# name -> (op, inputs [(name, array, initializer?)], attributes, outputs, reference(tensors) -> outputs)
+R = np.random.default_rng(0)
+X, SKIP = R.standard_normal((B, S, H)).astype(np.float32), R.standard_normal((B, S, H)).astype(np.float32)
+VEC = lambda: (R.standard_normal(H) * 0.5).astype(np.float32)  # noqa: E731
+GAMMA, BETA, BIAS = (1 + VEC()), VEC(), VEC()
+W3, B3 = (R.standard_normal((H, 3 * H)) * 0.3).astype(np.float32), (R.standard_normal(3 * H) * 0.1).astype(np.float32)
+IDS, SEG = R.integers(0, 20, (B, S)).astype(np.int32), R.integers(0, 2, (B, S)).astype(np.int32)
+WORD, POS, SEGE = ((R.standard_normal((n, H)) * 0.5).astype(np.float32) for n in (20, S + 4, 2))
+
+CASES = {
+    "Gelu": ("Gelu", [("x", X, False)], {}, ["y"], lambda t: [F.gelu(t["x"])]),
+    "BiasGelu": ("BiasGelu", [("x", X, False), ("b", BIAS, True)], {}, ["y"], lambda t: [F.gelu(t["x"] + t["b"])]),
+    "FastGelu": ("FastGelu", [("x", X, False), ("b", BIAS, True)], {}, ["y"],
+                 lambda t: [_gelu_tanh(t["x"] + t["b"])]),
+    "FastGelu_nobias": ("FastGelu", [("x", X, False)], {}, ["y"], lambda t: [_gelu_tanh(t["x"])]),
+    "QuickGelu": ("QuickGelu", [("x", X, False)], {"alpha": 1.5}, ["y"],
+                  lambda t: [t["x"] * torch.sigmoid(1.5 * t["x"])]),
+    "BiasAdd": ("BiasAdd", [("x", X, False), ("b", BIAS, True), ("s", SKIP, False)], {}, ["y"],
+                lambda t: [t["x"] + t["b"] + t["s"]]),
+    "FusedMatMul": ("FusedMatMul", [("x", X, False), ("w", (R.standard_normal((8, H)) * 0.3).astype(np.float32), True)],
+                    {"transB": 1, "alpha": 0.5}, ["y"], lambda t: [0.5 * t["x"] @ t["w"].T]),
+    "FusedMatMul_transA": ("FusedMatMul", [("x", X.transpose(0, 2, 1).copy(), False),
+                                          ("w", (R.standard_normal((H, 8)) * 0.3).astype(np.float32), True)],
+                           {"transA": 1}, ["y"], lambda t: [t["x"].transpose(-1, -2) @ t["w"]]),
+    "SkipLayerNormalization": ("SkipLayerNormalization", [("x", X, False), ("s", SKIP, False), ("g", GAMMA, True),
+                                                          ("be", BETA, True), ("b", BIAS, True)],
+                               {"epsilon": 1e-5}, ["y", "", "", "sum"],
+                               lambda t: [_ln(t["x"] + t["s"] + t["b"], t["g"], t["be"], 1e-5),
+                                          t["x"] + t["s"] + t["b"]]),
+    "SkipLayerNormalization_nobeta": ("SkipLayerNormalization", [("x", X, False), ("s", SKIP, False),
+                                                                 ("g", GAMMA, True)], {"epsilon": 1e-12}, ["y"],
+                                      lambda t: [_ln(t["x"] + t["s"], t["g"], None, 1e-12)]),
+    "SkipSimplifiedLayerNormalization": ("SkipSimplifiedLayerNormalization", [("x", X, False), ("s", SKIP, False),
+                                                                              ("g", GAMMA, True), ("b", BIAS, True)],
+                                         {"epsilon": 1e-6}, ["y"],
+                                         lambda t: [_rms(t["x"] + t["s"] + t["b"], t["g"], 1e-6)]),
+    "EmbedLayerNormalization": ("EmbedLayerNormalization",
+                                [("ids", IDS, False), ("seg", SEG, False), ("word", WORD, True), ("pos", POS, True),
+                                 ("sege", SEGE, True), ("g", GAMMA, True), ("be", BETA, True),
+                                 ("mask", _mask(), False)],
+                                {"epsilon": 1e-12}, ["y", "mask_index", "sum"],
+                                lambda t: [_ln(t["word"][t["ids"].long()] + t["pos"][:S] + t["sege"][t["seg"].long()],
+                                               t["g"], t["be"], 1e-12),
+                                           (t["mask"] > 0).sum(1).int(),
+                                           t["word"][t["ids"].long()] + t["pos"][:S] + t["sege"][t["seg"].long()]]),
+    "EmbedLayerNormalization_bare": ("EmbedLayerNormalization",
+                                     [("ids", IDS, False), ("", None, False), ("word", WORD, True), ("pos", POS, True),
+                                      ("", None, False), ("g", GAMMA, True), ("be", BETA, True)],
+                                     {"epsilon": 1e-12}, ["y", "mask_index"],
+                                     lambda t: [_ln(t["word"][t["ids"].long()] + t["pos"][:S], t["g"], t["be"], 1e-12),
+                                                torch.zeros(B, dtype=torch.int32)]),
+    "Attention": ("Attention", [("x", X, False), ("w", W3, True), ("b", B3, True)], {"num_heads": HEADS}, ["y"],
+                  lambda t: [_attention_ref(t["x"], t["w"], t["b"])]),
+    "Attention_mask2d": ("Attention", [("x", X, False), ("w", W3, True), ("b", B3, True), ("mask", _mask(), False)],
+                         {"num_heads": HEADS}, ["y"],
+                         lambda t: [_attention_ref(t["x"], t["w"], t["b"], mask=t["mask"])]),
+    "Attention_causal": ("Attention", [("x", X, False), ("w", W3, True), ("b", B3, True)],
+                         {"num_heads": HEADS, "unidirectional": 1}, ["y"],
+                         lambda t: [_attention_ref(t["x"], t["w"], t["b"], causal=True)]),
+}
+
+
+def _model(op, inputs, attrs, outputs, shapes=None) -> onnx.ModelProto:
+    inits, graph_inputs = [], []
+    for name, arr, is_init in inputs:
+        if not name:
+            continue
+        if is_init:
+            inits.append(numpy_helper.from_array(arr, name))
+        else:
+            graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype),
+                                                              list(arr.shape)))
+    node = helper.make_node(op, [n for n, _, _ in inputs], outputs, domain="com.microsoft", name="fused", **attrs)
+    named = [o for o in outputs if o]
+    shapes = shapes or [[] for _ in named]  # rank 0 where the test does not run the model
+    outs = [helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else TensorProto.FLOAT, shape)
+            for o, shape in zip(named, shapes)]
+    graph = helper.make_graph([node], "g", graph_inputs, outs, inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_contrib_op_is_written_out_as_onnxruntime_computes_it(case):
+    op, inputs, attrs, outputs, reference = CASES[case]
+    ref_t = {n: torch.tensor(a, requires_grad=a.dtype == np.float32) for n, a, init in inputs if n}
+    want = reference(ref_t)
+    file = _model(op, inputs, attrs, outputs, [list(w.shape) for w in want])
+    feeds = {n: a for n, a, init in inputs if n and not init}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # onnxruntime's CPU build has no BiasAdd kernel (CUDA only): its form is checked against torch's
+    fused = None if op == "BiasAdd" else ort.InferenceSession(file.SerializeToString(), so, providers=[
+        "CPUExecutionProvider"]).run(None, feeds)
+    om = OnnxModule(file, output_format="tuple")
+    assert not any(n.domain == "com.microsoft" for n in om.to_onnx().graph.node)
+    data = {n: torch.tensor(feeds[n], requires_grad=feeds[n].dtype == np.float32) for n in om.input_names}
+    got = om(*data.values())
+    weights = torch.Generator().manual_seed(1)
+    loss_o = loss_r = 0.0
+    for g, f, w in zip(got, fused or [None] * len(want), want):
+        if f is not None:
+            assert_close(g.detach(), torch.from_numpy(f), 1e-5, f"{case}: output vs onnxruntime's fused kernel")
+        assert_close(g.detach(), w.detach(), 1e-5, f"{case}: output vs the torch formula")
+        if g.is_floating_point():
+            proj = torch.randn(g.shape, generator=weights)
+            loss_o, loss_r = loss_o + (g * proj).sum(), loss_r + (w * proj).sum()
+    loss_o.backward()
+    loss_r.backward()
+    for n, a, init in inputs:
+        if n and a.dtype == np.float32:
+            mine = om.get_parameter(om.attr_names[n]).grad if init else data[n].grad
+            assert_close(mine, ref_t[n].grad, 1e-5, f"{case}: {n}.grad")
+
+
+def test_contrib_forms_not_written_out_are_refused_at_load_naming_the_node():
+    past = np.zeros((2, B, HEADS, 0, H // HEADS), np.float32)
+    file = _model("Attention", [("x", X, False), ("w", W3, True), ("b", B3, True), ("", None, False),
+                                ("past", past, True)], {"num_heads": HEADS}, ["y"])
+    with pytest.raises(OnnxLoadError, match=r"Attention node 'fused'.*past"):
+        OnnxModule(file)
+    file = _model("MultiHeadAttention", [("x", X, False)], {"num_heads": HEADS}, ["y"])
+    with pytest.raises(OnnxLoadError, match=r"MultiHeadAttention node 'fused'.*no standard-op form"):
+        OnnxModule(file)
+
+
+@pytest.mark.parametrize("arch", ["bert", "bert-opset14", "gpt2"])
+def test_files_optimised_by_onnxruntime_train_like_eager(arch, tmp_path):
+    """A fine-tuned HF BERT (eager attention) and GPT-2, exported by torch.onnx and fused by onnxruntime's
+    transformer optimizer (EmbedLayerNormalization, Attention with the padding mask, SkipLayerNormalization,
+    BiasGelu / FastGelu), train at eager's numbers: logits with padded rows over 3 AdamW steps. An opset-14
+    file is upgraded to 17 first (LayerNormalization)."""
+    arch, opset = arch.split("-opset")[0], int(arch.split("-opset")[1]) if "-opset" in arch else 18
+    transformers = pytest.importorskip("transformers")
+    from onnxruntime.transformers import optimizer
+
+    from .test_onnx_module import RTOL
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "bert":
+        net = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, attn_implementation="eager"))
+        fused = {"EmbedLayerNormalization", "Attention", "SkipLayerNormalization", "BiasGelu"}
+    else:
+        net = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            use_cache=False, attn_implementation="eager"))
+        fused = {"SkipLayerNormalization", "FastGelu"}
+    net.eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, ids, mask):
+            return self.net(input_ids=ids, attention_mask=mask).logits
+
+    model = Logits()
+    ids = torch.randint(0, 100, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.int64)
+    mask[1, 11:] = 0
+    mask[3, 5:] = 0
+    raw, opt = tmp_path / "raw.onnx", tmp_path / "opt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (ids[:2], mask[:2]), str(raw), dynamo=False, opset_version=opset,
+                          input_names=["ids", "mask"], dynamic_axes={"ids": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}})
+        optimizer.optimize_model(str(raw), model_type=arch, num_heads=2, hidden_size=32).save_model_to_file(str(opt))
+        ops = {n.op_type for n in onnx.load(str(opt)).graph.node if n.domain == "com.microsoft"}
+        assert fused <= ops, ops
+        om = OnnxModule(str(opt), tie=True)
+    opt_e, opt_o = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(om.parameters(), lr=1e-3)
+    keep = mask.bool()
+    for step in range(3):
+        outs = []
+        for m, o in ((model, opt_e), (om, opt_o)):
+            o.zero_grad(set_to_none=True)
+            out = m(ids, mask)
+            (out[keep] if arch == "gpt2" else out).square().mean().backward()
+            o.step()
+            outs.append((out[keep] if arch == "gpt2" else out).detach())
+        assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
