@@ -173,6 +173,9 @@ def _load(source: str | os.PathLike | onnx.ModelProto | bytes, base_dir: str | N
     if not model.HasField("graph") or not model.opset_import:
         raise OnnxLoadError("not a valid ONNX model: no graph or no opset_import (truncated or corrupt file?)")
     _check_external_data(model, base_dir)
+    # before the checker: onnxruntime's SimplifiedLayerNormalization sits in the default domain,
+    # where onnx has no schema of it
+    model = _standard_ops(model)
     try:
         onnx.checker.check_model(_without_external_data(model))
     except Exception as exc:
@@ -209,11 +212,16 @@ def _standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         except Exception as exc:
             raise OnnxLoadError(f"the model's com.microsoft ops are written out with opset {NEEDED_OPSET} ops, and "
                                 f"onnx.version_converter could not upgrade it from opset {opset}: {exc}") from exc
+    except_other = (KeyError, IndexError, TypeError, AttributeError)  # a malformed node: not checked yet
     try:
         expand_contrib_ops(model)
+    except OnnxLoadError:
+        raise
     except ContribOpError as exc:
         raise OnnxLoadError(f"{exc} (NOTE [contrib ops]); export the model without onnxruntime's transformer "
                             "optimizer (or with fewer fusions) to train it") from exc
+    except except_other as exc:
+        raise OnnxLoadError(f"a com.microsoft node is malformed ({type(exc).__name__}: {exc})") from exc
     return model
 
 
@@ -409,7 +417,6 @@ class OnnxModule(nn.Module):
             raise ValueError(f"output_format must be 'auto', 'tuple' or 'dict', not {output_format!r}")
         # Everything is built in locals first: a failure leaves no half-made module behind.
         proto = _load(model, None if base_dir is None else str(base_dir))
-        proto = _standard_ops(proto)
         _rewrite_shared(proto, untie, tie)
         graph = proto.graph
         init_names = {t.name for t in graph.initializer}

@@ -27,17 +27,24 @@ def _gelu_tanh(x):
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
-def _attention_ref(x, w, b, mask=None, lengths=None, causal=False, fill=-10000.0):
-    q, k, v = (x @ w + b).split(H, -1)
-    split = lambda t: t.unflatten(-1, (HEADS, H // HEADS)).transpose(1, 2)  # noqa: E731
-    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(H // HEADS)
-    if lengths is not None:
-        mask = (torch.arange(S)[None, :] < lengths[:, None].long()).int()
+def _attend_ref(q, k, v, mask=None, causal=False, fill=-10000.0):
+    split = lambda t: t.unflatten(-1, (HEADS, t.shape[-1] // HEADS)).transpose(1, 2)  # noqa: E731
+    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(q.shape[-1] // HEADS)
     if mask is not None:
         scores = scores + torch.where(mask > 0, 0.0, fill)[:, None, None, :]
     if causal:
-        scores = scores + torch.where(torch.ones(S, S, dtype=torch.bool).triu(1), fill, 0.0)
+        scores = scores + torch.where(torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1), fill, 0.0)
     return (scores.softmax(-1) @ split(v)).transpose(1, 2).flatten(2)
+
+
+def _attention_ref(x, w, b, mask=None, causal=False):
+    q, k, v = (x @ w + b).split(H, -1)
+    return _attend_ref(q, k, v, mask, causal)
+
+
+def _mha_ref(t, mask=None, causal=False):
+    bq, bk, bv = t["b"].split([H, H, 8], -1)
+    return _attend_ref(t["q"] + bq, t["k"] + bk, t["v"] + bv, mask, causal)
 
 
 def _ln(x, g, b, eps):
@@ -63,6 +70,13 @@ GAMMA, BETA, BIAS = (1 + VEC()), VEC(), VEC()
 W3, B3 = (R.standard_normal((H, 3 * H)) * 0.3).astype(np.float32), (R.standard_normal(3 * H) * 0.1).astype(np.float32)
 IDS, SEG = R.integers(0, 20, (B, S)).astype(np.int32), R.integers(0, 2, (B, S)).astype(np.int32)
 WORD, POS, SEGE = ((R.standard_normal((n, H)) * 0.5).astype(np.float32) for n in (20, S + 4, 2))
+
+L = 9  # cross-attention keys
+KV, VV = R.standard_normal((B, L, H)).astype(np.float32), R.standard_normal((B, L, 8)).astype(np.float32)
+VS = R.standard_normal((B, S, 8)).astype(np.float32)
+MB = (R.standard_normal(2 * H + 8) * 0.1).astype(np.float32)
+MASK_L = np.ones((B, L), np.int32)
+MASK_L[0, 6:] = 0
 
 CASES = {
     "Gelu": ("Gelu", [("x", X, False)], {}, ["y"], lambda t: [F.gelu(t["x"])]),
@@ -111,6 +125,17 @@ CASES = {
     "Attention_mask2d": ("Attention", [("x", X, False), ("w", W3, True), ("b", B3, True), ("mask", _mask(), False)],
                          {"num_heads": HEADS}, ["y"],
                          lambda t: [_attention_ref(t["x"], t["w"], t["b"], mask=t["mask"])]),
+    "MultiHeadAttention": ("MultiHeadAttention", [("q", X, False), ("k", KV, False), ("v", VV, False),
+                                                  ("b", MB, True), ("mask", MASK_L, False)], {"num_heads": HEADS},
+                           ["y"], lambda t: [_mha_ref(t, mask=t["mask"])]),
+    "MultiHeadAttention_causal": ("MultiHeadAttention", [("q", X, False), ("k", X, False),
+                                                         ("v", VS, False), ("b", MB, True)],
+                                  {"num_heads": HEADS, "unidirectional": 1}, ["y"],
+                                  lambda t: [_mha_ref(t, causal=True)]),
+    "SimplifiedLayerNormalization": ("SimplifiedLayerNormalization", [("x", X, False), ("g", GAMMA, True)],
+                                     {"epsilon": 1e-6}, ["y", "inv"],
+                                     lambda t: [_rms(t["x"], t["g"], 1e-6),
+                                                torch.rsqrt(t["x"].square().mean(-1, keepdim=True) + 1e-6)]),
     "Attention_causal": ("Attention", [("x", X, False), ("w", W3, True), ("b", B3, True)],
                          {"num_heads": HEADS, "unidirectional": 1}, ["y"],
                          lambda t: [_attention_ref(t["x"], t["w"], t["b"], causal=True)]),
@@ -127,7 +152,8 @@ def _model(op, inputs, attrs, outputs, shapes=None) -> onnx.ModelProto:
         else:
             graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(arr.dtype),
                                                               list(arr.shape)))
-    node = helper.make_node(op, [n for n, _, _ in inputs], outputs, domain="com.microsoft", name="fused", **attrs)
+    domain = "" if op == "SimplifiedLayerNormalization" else "com.microsoft"
+    node = helper.make_node(op, [n for n, _, _ in inputs], outputs, domain=domain, name="fused", **attrs)
     named = [o for o in outputs if o]
     shapes = shapes or [[] for _ in named]  # rank 0 where the test does not run the model
     outs = [helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else TensorProto.FLOAT, shape)
@@ -177,7 +203,10 @@ def test_contrib_forms_not_written_out_are_refused_at_load_naming_the_node():
     with pytest.raises(OnnxLoadError, match=r"Attention node 'fused'.*past"):
         OnnxModule(file)
     file = _model("MultiHeadAttention", [("x", X, False)], {"num_heads": HEADS}, ["y"])
-    with pytest.raises(OnnxLoadError, match=r"MultiHeadAttention node 'fused'.*no standard-op form"):
+    with pytest.raises(OnnxLoadError, match=r"MultiHeadAttention node 'fused'.*packed QKV"):
+        OnnxModule(file)
+    file = _model("GemmFastGelu", [("x", X, False), ("w", W3, True)], {}, ["y"])
+    with pytest.raises(OnnxLoadError, match=r"GemmFastGelu node 'fused'.*no standard-op form"):
         OnnxModule(file)
 
 

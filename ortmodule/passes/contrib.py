@@ -4,7 +4,8 @@ optimised for inference trains (OnnxModule).
 # NOTE [contrib ops]: onnxruntime's transformer optimizer (``onnxruntime.transformers.optimizer``,
 # Optimum's ORTOptimizer) fuses a BERT's embeddings, attention, residual LayerNorms and GELUs into
 # ``com.microsoft`` ops (EmbedLayerNormalization, Attention, SkipLayerNormalization, BiasGelu, FastGelu,
-# ...), and many published ONNX checkpoints are such files. The stock wheel has their forward kernels
+# ...; SimplifiedLayerNormalization, an RMSNorm, sits in the default domain), and many published ONNX
+# checkpoints are such files. The stock wheel has their forward kernels
 # but no gradients. Each node is replaced by the standard ops that compute what its kernel computes
 # (the same formula, the same mask fill value), and the existing rules differentiate those. The test
 # of every form is onnxruntime itself: the expanded graph's outputs against the fused kernels' on
@@ -91,7 +92,7 @@ class _Writer:
         return r
 
     def where(self) -> str:
-        return f"com.microsoft::{self.node.op_type} node {self.node.name or self.node.output[0]!r}"
+        return f"{self.node.domain or 'ai.onnx'}::{self.node.op_type} node {self.node.name or self.node.output[0]!r}"
 
 
 def _gelu(w: _Writer, node: onnx.NodeProto, a: dict) -> None:
@@ -209,7 +210,7 @@ def _attention(w: _Writer, node: onnx.NodeProto, a: dict, mask_lengths: set[str]
     """Self-attention over input @ weights + bias split into Q, K, V (thirds, or qkv_hidden_sizes):
     softmax(Q K^T * scale + mask) V per head, masked positions filled additively with
     mask_filter_value (-10000) as onnxruntime does; causal with ``unidirectional``."""
-    x, weights, bias, mask = node.input[0], node.input[1], _opt(node, 2), _opt(node, 3)
+    x, weights, bias = node.input[0], node.input[1], _opt(node, 2)
     for i, what in ((4, "past"), (6, "past_sequence_length")):
         if _opt(node, i):
             raise ContribOpError(f"{w.where()}: a {what} input (a KV cache) is not supported")
@@ -217,19 +218,48 @@ def _attention(w: _Writer, node: onnx.NodeProto, a: dict, mask_lengths: set[str]
         raise ContribOpError(f"{w.where()}: its present output (a KV cache) is read")
     if a.get("do_rotary", 0) or a.get("past_present_share_buffer", 0):
         raise ContribOpError(f"{w.where()}: do_rotary / past_present_share_buffer are not supported")
-    heads = int(a["num_heads"])
     wshape = w.shapes.get(weights)
     sizes = list(a.get("qkv_hidden_sizes", []))
     if not sizes:
         if not wshape or not isinstance(wshape[-1], int) or wshape[-1] % 3:
             raise ContribOpError(f"{w.where()}: the width of its weights is not known")
         sizes = [wshape[-1] // 3] * 3
-    if any(s % heads for s in sizes):
-        raise ContribOpError(f"{w.where()}: hidden sizes {sizes} do not split into {heads} heads")
     qkv = w.op("MatMul", [x, weights])
     if bias is not None:
         qkv = w.op("Add", [qkv, bias])
     q, k, v = w.op("Split", [qkv, w.ints(sizes)], n_out=3, axis=-1)
+    _attend(w, a, q, k, v, sizes, _opt(node, 3), _opt(node, 5), mask_lengths, node.output[0])
+
+
+def _multi_head_attention(w: _Writer, node: onnx.NodeProto, a: dict, mask_lengths: set[str]) -> None:
+    """Attention over separate query [B, S, D], key [B, L, D] and value [B, L, Dv] (a bias [D + D + Dv]
+    added to them), as Attention computes it; a packed QKV, a KV cache or 5-D inputs are refused."""
+    q, k, v, bias = node.input[0], _opt(node, 1), _opt(node, 2), _opt(node, 3)
+    if k is None or v is None:
+        raise ContribOpError(f"{w.where()}: packed QKV in the query (no key / value input) is not supported")
+    for i in range(6, len(node.input)):
+        if node.input[i]:
+            raise ContribOpError(f"{w.where()}: a past key / value or cache input is not supported")
+    if any(_out(node, i) for i in (1, 2, 3)):
+        raise ContribOpError(f"{w.where()}: its present key / value or qk outputs are read")
+    for t, what in ((q, "query"), (k, "key"), (v, "value")):
+        if w.rank(t, what) != 3:
+            raise ContribOpError(f"{w.where()}: a {w.ranks[t]}-D {what} is not supported (3-D only)")
+    sizes = [w.shapes[q][-1], w.shapes[k][-1], w.shapes[v][-1]]
+    if not all(isinstance(d, int) for d in sizes):
+        raise ContribOpError(f"{w.where()}: the hidden sizes of its query, key and value are not known")
+    if bias is not None:
+        bq, bk, bv = w.op("Split", [bias, w.ints(sizes)], n_out=3, axis=0)
+        q, k, v = w.op("Add", [q, bq]), w.op("Add", [k, bk]), w.op("Add", [v, bv])
+    _attend(w, a, q, k, v, sizes, _opt(node, 4), _opt(node, 5), mask_lengths, node.output[0])
+
+
+def _attend(w: _Writer, a: dict, q: str, k: str, v: str, sizes: list, mask: str | None, attention_bias: str | None,
+            mask_lengths: set[str], out: str) -> None:
+    """softmax(Q K^T * scale + masks) V per head, the heads concatenated: [B, S, Dv]."""
+    heads = int(a["num_heads"])
+    if any(s % heads for s in sizes):
+        raise ContribOpError(f"{w.where()}: hidden sizes {sizes} do not split into {heads} heads")
 
     def heads_of(t, size, perm):
         return w.op("Transpose", [w.op("Reshape", [t, w.ints([0, 0, heads, size // heads])])], perm=perm)
@@ -238,16 +268,16 @@ def _attention(w: _Writer, node: onnx.NodeProto, a: dict, mask_lengths: set[str]
                                                                                                      [0, 2, 1, 3])
     scale = a.get("scale")
     scale = float(scale) if scale else 1.0 / math.sqrt(sizes[0] // heads)
-    scores = w.op("Mul", [w.op("MatMul", [qh, kh]), w.const(scale, x)])
+    scores = w.op("Mul", [w.op("MatMul", [qh, kh]), w.const(scale, q)])
     fill = float(a.get("mask_filter_value", -10000.0))
-    zero, filled = w.const(0.0, x), w.const(fill, x)
+    zero, filled = w.const(0.0, q), w.const(fill, q)
+    keys = w.op("Squeeze", [w.op("Shape", [k], start=1, end=2), w.ints([0])])
     if mask is not None:
-        rank = 1 if mask in mask_lengths else w.rank(mask, "mask_index")
+        rank = 1 if mask in mask_lengths else w.rank(mask, "mask")
         if rank == 1:
             if mask not in mask_lengths:
-                raise ContribOpError(f"{w.where()}: a 1-D mask_index that does not come from EmbedLayerNormalization "
+                raise ContribOpError(f"{w.where()}: a 1-D mask that does not come from EmbedLayerNormalization "
                                      "(it may hold start and end positions)")
-            keys = w.op("Squeeze", [w.op("Shape", [x], start=1, end=2), w.ints([0])])
             j = w.op("Range", [w.ints(0), keys, w.ints(1)])
             lengths = w.op("Unsqueeze", [w.op("Cast", [mask], to=onnx.TensorProto.INT64), w.ints([1])])
             keep = w.op("Less", [w.op("Unsqueeze", [j, w.ints([0])]), lengths])  # [B, T]
@@ -257,18 +287,35 @@ def _attention(w: _Writer, node: onnx.NodeProto, a: dict, mask_lengths: set[str]
             add = w.op("Where", [keep, zero, filled])
             add = w.op("Unsqueeze", [add, w.ints([1, 2] if rank == 2 else [1])])
         else:
-            raise ContribOpError(f"{w.where()}: a {rank}-D mask_index is not supported")
+            raise ContribOpError(f"{w.where()}: a {rank}-D mask is not supported")
         scores = w.op("Add", [scores, add])
     if a.get("unidirectional", 0):
-        length = w.op("Squeeze", [w.op("Shape", [x], start=1, end=2), w.ints([0])])
-        i = w.op("Range", [w.ints(0), length, w.ints(1)])
-        later = w.op("Greater", [w.op("Unsqueeze", [i, w.ints([0])]), w.op("Unsqueeze", [i, w.ints([1])])])
+        queries = w.op("Squeeze", [w.op("Shape", [q], start=1, end=2), w.ints([0])])
+        i = w.op("Range", [w.ints(0), queries, w.ints(1)])
+        j = w.op("Range", [w.ints(0), keys, w.ints(1)])
+        later = w.op("Greater", [w.op("Unsqueeze", [j, w.ints([0])]), w.op("Unsqueeze", [i, w.ints([1])])])
         scores = w.op("Add", [scores, w.op("Where", [later, filled, zero])])
-    if _opt(node, 5):
-        scores = w.op("Add", [scores, node.input[5]])
+    if attention_bias is not None:
+        scores = w.op("Add", [scores, attention_bias])
     probs = w.op("Softmax", [scores], axis=-1)
     ctx = w.op("Transpose", [w.op("MatMul", [probs, vh])], perm=[0, 2, 1, 3])
-    w.op("Reshape", [ctx, w.ints([0, 0, -1])], node.output[0])
+    w.op("Reshape", [ctx, w.ints([0, 0, -1])], out)
+
+
+def _simplified_layer_norm(w: _Writer, node: onnx.NodeProto, a: dict) -> None:
+    """RMSNorm over the axes from ``axis`` on (onnxruntime's SimplifiedLayerNormalization, a T5 / Llama
+    norm in the default domain); output 1 is the inverse RMS."""
+    x = node.input[0]
+    axis = int(a.get("axis", -1))
+    if axis != -1:
+        r = w.rank(x, "input")
+        axes = list(range(axis % r, r))
+    else:
+        axes = [-1]
+    ms = w.reduce("ReduceMean", w.op("Mul", [x, x]), axes, 1)
+    inv = w.op("Reciprocal", [w.op("Sqrt", [w.op("Add", [ms, w.const(float(a.get("epsilon", 1e-5)), x)])])],
+               _out(node, 1))
+    w.op("Mul", [w.op("Mul", [x, inv]), node.input[1]], node.output[0])
 
 
 _EXPANSIONS = {
@@ -278,8 +325,13 @@ _EXPANSIONS = {
 }
 
 
+def _is_contrib(node: onnx.NodeProto) -> bool:
+    return node.domain == MS_DOMAIN or (node.domain in ("", "ai.onnx")
+                                        and node.op_type == "SimplifiedLayerNormalization")
+
+
 def has_contrib_ops(model: onnx.ModelProto) -> bool:
-    return any(n.domain == MS_DOMAIN for n in model.graph.node)
+    return any(_is_contrib(n) for n in model.graph.node)
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list]:
@@ -314,17 +366,22 @@ def expand_contrib_ops(model: onnx.ModelProto) -> list[str]:
     new_nodes: list[onnx.NodeProto] = []
     done: list[str] = []
     for k, node in enumerate(model.graph.node):
-        if node.domain != MS_DOMAIN:
+        if not _is_contrib(node):
             new_nodes.append(node)
             continue
         w = _Writer(node, k, opset, ranks, shapes)
         if node.op_type == "Attention":
             _attention(w, node, _attrs(node), mask_lengths)
+        elif node.op_type == "MultiHeadAttention":
+            _multi_head_attention(w, node, _attrs(node), mask_lengths)
+        elif node.op_type == "SimplifiedLayerNormalization":
+            _simplified_layer_norm(w, node, _attrs(node))
         elif node.op_type in _EXPANSIONS:
             _EXPANSIONS[node.op_type](w, node, _attrs(node))
         else:
             raise ContribOpError(f"{w.where()}: ortmodule has no standard-op form of it (it writes out "
-                                 f"{', '.join(['Attention', *_EXPANSIONS])})")
+                                 f"{', '.join(['Attention', 'MultiHeadAttention', *_EXPANSIONS])} and "
+                                 "SimplifiedLayerNormalization)")
         new_nodes.extend(w.nodes)
         done.append(node.op_type)
     del model.graph.node[:]
