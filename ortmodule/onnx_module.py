@@ -173,13 +173,11 @@ def _load(source: str | os.PathLike | onnx.ModelProto | bytes, base_dir: str | N
     if not model.HasField("graph") or not model.opset_import:
         raise OnnxLoadError("not a valid ONNX model: no graph or no opset_import (truncated or corrupt file?)")
     _check_external_data(model, base_dir)
-    # before the checker: onnxruntime's SimplifiedLayerNormalization sits in the default domain,
-    # where onnx has no schema of it
-    model = _standard_ops(model)
     try:
-        onnx.checker.check_model(_without_external_data(model))
+        onnx.checker.check_model(_ms_domain_rms(_without_external_data(model)))
     except Exception as exc:
         raise OnnxLoadError(f"onnx.checker rejected the model: {exc}") from exc
+    model = _standard_ops(model)
     if any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
         try:
             external_data_helper.load_external_data_for_model(model, base_dir)
@@ -198,6 +196,21 @@ def _load(source: str | os.PathLike | onnx.ModelProto | bytes, base_dir: str | N
     return model
 
 
+def _ms_domain_rms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """For onnx.checker: onnxruntime registers SimplifiedLayerNormalization in the default domain,
+    where onnx has no schema of it (the checker refuses it); a copy with those nodes under
+    com.microsoft, whose ops it does not check (NOTE [contrib ops] writes them out after the check)."""
+    if not any(n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx") for n in model.graph.node):
+        return model
+    model = copy.deepcopy(model)
+    for n in model.graph.node:
+        if n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx"):
+            n.domain = "com.microsoft"
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
 def _standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """NOTE [contrib ops]: onnxruntime's fused ``com.microsoft`` ops written out as standard ops (opset
     17 at least, for LayerNormalization). Raises OnnxLoadError naming a node it cannot write out."""
@@ -212,15 +225,12 @@ def _standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         except Exception as exc:
             raise OnnxLoadError(f"the model's com.microsoft ops are written out with opset {NEEDED_OPSET} ops, and "
                                 f"onnx.version_converter could not upgrade it from opset {opset}: {exc}") from exc
-    except_other = (KeyError, IndexError, TypeError, AttributeError)  # a malformed node: not checked yet
     try:
         expand_contrib_ops(model)
-    except OnnxLoadError:
-        raise
     except ContribOpError as exc:
         raise OnnxLoadError(f"{exc} (NOTE [contrib ops]); export the model without onnxruntime's transformer "
                             "optimizer (or with fewer fusions) to train it") from exc
-    except except_other as exc:
+    except (KeyError, IndexError, TypeError, ValueError) as exc:  # onnx.checker does not check these nodes
         raise OnnxLoadError(f"a com.microsoft node is malformed ({type(exc).__name__}: {exc})") from exc
     return model
 

@@ -205,6 +205,9 @@ def test_contrib_forms_not_written_out_are_refused_at_load_naming_the_node():
     file = _model("MultiHeadAttention", [("x", X, False)], {"num_heads": HEADS}, ["y"])
     with pytest.raises(OnnxLoadError, match=r"MultiHeadAttention node 'fused'.*packed QKV"):
         OnnxModule(file)
+    file = _model("Attention", [("x", X, False), ("w", W3, True)], {}, ["y"])  # no num_heads
+    with pytest.raises(OnnxLoadError, match=r"malformed.*num_heads"):
+        OnnxModule(file)
     file = _model("GemmFastGelu", [("x", X, False), ("w", W3, True)], {}, ["y"])
     with pytest.raises(OnnxLoadError, match=r"GemmFastGelu node 'fused'.*no standard-op form"):
         OnnxModule(file)
