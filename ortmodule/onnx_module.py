@@ -974,6 +974,24 @@ def _split_sequences(graph: onnx.GraphProto) -> None:
                 graph.node.insert(k + j, n)
 
 
+def _dropout_masks(graph: onnx.GraphProto) -> None:
+    """NOTE [dropout mask] (autodiff/rules/norm.py): a Dropout that may run in training mode gets its mask
+    output, which its gradient reads. torch.onnx's dynamo exporter writes a train-mode model's dropout
+    without one, and such files were refused ("no mask output")."""
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or len(node.input) < 3 \
+                or not node.input[2] or (len(node.output) > 1 and node.output[1]):
+            continue
+        const = producer.get(node.input[2])
+        if const is not None and const.op_type == "Constant" and const.attribute \
+                and not numpy_helper.to_array(const.attribute[0].t).any():
+            continue  # training_mode false: an identity, no mask
+        if len(node.output) == 1:
+            node.output.append("")
+        node.output[1] = f"{node.output[0]}__ortmodule_mask"
+
+
 def _training_model(
     template: onnx.ModelProto,
     owned: Sequence[str],
@@ -992,6 +1010,7 @@ def _training_model(
             raise OnnxLoadError(f"cannot inline the model's local functions: {exc}") from exc
     g = model.graph
     _split_sequences(g)
+    _dropout_masks(g)
     owned_set = set(owned)
     by_name = {t.name: t for t in g.initializer}
     kept_inits = [t for t in g.initializer if t.name not in owned_set]

@@ -981,3 +981,27 @@ def test_batchnorm_running_statistics_are_not_trained():
             out.square().mean().backward()
             opt.step()
     assert torch.equal(om.get_buffer(om.attr_names["bn.running_mean"]), ref["bn.running_mean"])
+
+
+def test_train_mode_dropout_without_a_mask_output_gets_one():
+    """NOTE [dropout mask]: torch.onnx's dynamo exporter writes a train-mode model's dropout as
+    Dropout(x, ratio, training_mode=True) with no mask output; such files were refused ("no mask
+    output"). The mask output is added at load, and the gradient is dY * mask / (1 - p) for the mask
+    onnxruntime drew: W.grad = x^T (dY * [y != 0] / (1 - p)) with dY = 1."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 32)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("Constant", [], ["ratio"], value=numpy_helper.from_array(np.array(0.3, np.float32))),
+             helper.make_node("Constant", [], ["train"], value=numpy_helper.from_array(np.array(True))),
+             helper.make_node("Dropout", ["h", "ratio", "train"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 32])],
+                              [numpy_helper.from_array(w, "w")])
+    om = OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = torch.randn(256, 16)
+    y = om(x)
+    y.sum().backward()
+    kept = (y.detach() != 0).float()
+    assert 0.6 < float(kept.mean()) < 0.8  # p = 0.3 dropped
+    assert_close(y.detach(), (x @ torch.from_numpy(w)) * kept / 0.7, 1e-5, "output")
+    assert_close(om.w.grad, x.T @ (kept / 0.7), 1e-5, "w.grad")
