@@ -33,7 +33,7 @@ from .autodiff import differentiable_values
 from .autodiff.registry import lookup, refusal
 from .errors import GradientRuleError, ORTModuleError
 from .export import ExportedModel
-from .function import ORTFunction
+from .function import ORTFunction, write_back
 from .io import OutputSpec, flatten_outputs
 from .runtime.cache import LRUCache
 from .runtime.entry import CompiledEntry
@@ -473,7 +473,9 @@ class OnnxModule(nn.Module):
                 for f in ("float_data", "double_data", "int32_data"):
                     t.ClearField(f)
 
-        exported = _training_model(template, owned, data_inputs, selected, output_format)
+        stat_updates = _running_stat_updates(template.graph, set(owned) - trainable_set)
+        exported = _training_model(template, owned, data_inputs, selected, output_format,
+                                   [out for _, out in stat_updates])
         problems = _missing_rules(exported.model, sorted(trainable_set), selected)
         if problems:
             raise GradientRuleError(
@@ -507,6 +509,8 @@ class OnnxModule(nn.Module):
             if t.name in owned:
                 self._owned_attrs.append(attr)
         self._feed_names = tuple(self._input_names + [self.onnx_names[a] for a in self._owned_attrs])
+        # NOTE [running stats]: the buffers a training-mode BatchNormalization updates, in graph output order
+        self._stat_attrs = tuple(self.attr_names[name] for name, _ in stat_updates)
         if not float_inits:
             warnings.warn(
                 "OnnxModule: the model has no trainable float initializers (weights stored as node "
@@ -593,11 +597,17 @@ class OnnxModule(nn.Module):
                 requires_grad = dict(zip(self._feed_names, in_rg + t_rg))
             entry = CompiledEntry(self._exported, device, requires_grad)
             self._entries.put(key, entry)
+        stats = tuple(getattr(self, a) for a in self._stat_attrs)
+        if stats:  # NOTE [running stats]: onnxruntime gets copies; the new values are written back
+            fed = {id(t) for t in stats}
+            owned = [t.clone() if id(t) in fed else t for t in owned]
         tensors = [*inputs, *owned]
         if needs_grad:
-            outs = ORTFunction.apply(entry, self._feed_names, (), *tensors)
+            outs = ORTFunction.apply(entry, self._feed_names, stats, *tensors)
         else:
             outs = entry.inference.run(dict(zip(self._feed_names, tensors)))
+            write_back(stats, outs[len(self._output_names):])
+        outs = outs[:len(self._output_names)]
         if self._output_kind == "dict":
             return dict(zip(self._output_names, outs))
         return outs[0] if self._output_kind == "single" else tuple(outs)
@@ -974,6 +984,31 @@ def _split_sequences(graph: onnx.GraphProto) -> None:
                 graph.node.insert(k + j, n)
 
 
+def _running_stat_updates(graph: onnx.GraphProto, buffers: set[str]) -> list[tuple[str, str]]:
+    """NOTE [running stats]: (buffer, new value) for the running mean and variance of each
+    training-mode BatchNormalization (a file exported with ``training=TrainingMode.TRAINING``) that reads
+    them from buffers; unnamed running-stat outputs get names. The statistics used to move only because
+    onnxruntime's BatchNormalization wrote its running-stat outputs into the bound buffers' memory (the
+    kernel may write them in place, NOTE [no writes into inputs]), an allocation choice, not a contract:
+    had it not, they would have stayed put without a word. Now the new values are graph outputs the
+    module writes back after each run, and onnxruntime reads copies. (They follow ONNX's formula: the
+    running variance takes the biased batch variance, torch's the unbiased one, n / (n - 1) apart.)"""
+    updates: list[tuple[str, str]] = []
+    for node in graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or len(node.input) < 5 \
+                or not any(a.name == "training_mode" and a.i for a in node.attribute):
+            continue
+        if node.input[3] not in buffers or node.input[4] not in buffers:
+            continue
+        while len(node.output) < 3:
+            node.output.append("")
+        for k in (1, 2):
+            if not node.output[k]:
+                node.output[k] = f"{node.output[0]}__ortmodule_running_{'mean' if k == 1 else 'var'}"
+            updates.append((node.input[2 + k], node.output[k]))
+    return updates
+
+
 def _dropout_masks(graph: onnx.GraphProto) -> None:
     """NOTE [dropout mask] (autodiff/rules/norm.py): a Dropout that may run in training mode gets its mask
     output, which its gradient reads. torch.onnx's dynamo exporter writes a train-mode model's dropout
@@ -998,6 +1033,7 @@ def _training_model(
     data_inputs: Sequence[onnx.ValueInfoProto],
     outputs: Sequence[str],
     output_format: str,
+    stat_outputs: Sequence[str] = (),
 ) -> ExportedModel:
     """The forward graph in the engine's convention: inputs = data inputs then the owned initializers
     (bound to torch tensors each run), outputs = the selected tensor outputs."""
@@ -1024,7 +1060,13 @@ def _training_model(
     out_vis = {vi.name: vi for vi in g.output}
     del g.output[:]
     g.output.extend(out_vis[n] for n in outputs)
-    _prune(g, outputs)
+    # NOTE [running stats]: the new running statistics follow the user outputs (not differentiated)
+    reads = {n.output[k]: n.input[2 + k] for n in g.node if n.op_type == "BatchNormalization"
+             for k in (1, 2) if len(n.output) > k and n.output[k]}
+    for name in stat_outputs:
+        t = by_name[reads[name]]
+        g.output.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    _prune(g, [*outputs, *stat_outputs])
     declared = {vi.name: vi for vi in g.value_info}
     del g.value_info[:]
     try:
@@ -1050,6 +1092,6 @@ def _training_model(
         model=model,
         output_spec=_output_spec(_output_kind(output_format, outputs), outputs),
         num_user_outputs=len(outputs),
-        mutated_buffers=(),
+        mutated_buffers=tuple(range(len(stat_outputs))),
         opset=_default_opset(model),
     )

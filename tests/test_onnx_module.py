@@ -1005,3 +1005,38 @@ def test_train_mode_dropout_without_a_mask_output_gets_one():
     assert 0.6 < float(kept.mean()) < 0.8  # p = 0.3 dropped
     assert_close(y.detach(), (x @ torch.from_numpy(w)) * kept / 0.7, 1e-5, "output")
     assert_close(om.w.grad, x.T @ (kept / 0.7), 1e-5, "w.grad")
+
+
+def test_training_mode_batchnorm_file_moves_its_running_statistics_once_per_call():
+    """NOTE [running stats]: a file exported in training mode (BatchNormalization training_mode=1) moves its
+    running mean and variance by ONNX's formula once per call, with or without grad, and the module's
+    buffers hold them (written back, not left to onnxruntime writing into the bound memory)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=0.2), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(8 * 10 * 10, 4)).train()
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(copy.deepcopy(net), (torch.randn(4, 3, 12, 12),), f, dynamo=False, opset_version=17,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, input_names=["x"],
+                          dynamic_axes={"x": {0: "b"}})
+    om = OnnxModule(f.getvalue())
+    mean_buf, var_buf = (om.get_buffer(om.attr_names[k]) for k in ("1.running_mean", "1.running_var"))
+    conv_w, conv_b = om.get_parameter(om.attr_names["0.weight"]), om.get_parameter(om.attr_names["0.bias"])
+    opt = torch.optim.AdamW(om.parameters(), lr=1e-2)
+    for step in range(4):
+        x = torch.randn(16, 3, 12, 12)
+        with torch.no_grad():
+            h = F.conv2d(x, conv_w, conv_b)
+            want_mean = 0.8 * mean_buf + 0.2 * h.mean((0, 2, 3))
+            want_var = 0.8 * var_buf + 0.2 * h.var((0, 2, 3), unbiased=False)
+        if step % 2:
+            with torch.no_grad():
+                om(x)
+        else:
+            opt.zero_grad()
+            om(x).square().mean().backward()
+            opt.step()
+        assert om.get_buffer(om.attr_names["1.running_mean"]) is mean_buf
+        assert_close(mean_buf, want_mean, 1e-5, f"running mean at step {step}")
+        assert_close(var_buf, want_var, 1e-5, f"running var at step {step}")
