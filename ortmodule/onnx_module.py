@@ -215,7 +215,12 @@ def _standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """NOTE [contrib ops]: onnxruntime's fused ``com.microsoft`` ops written out as standard ops (opset
     17 at least, for LayerNormalization). Raises OnnxLoadError naming a node it cannot write out."""
     from .passes.contrib import NEEDED_OPSET, ContribOpError, expand_contrib_ops, has_contrib_ops
+    from .passes.functions import expand_function_ops
 
+    try:  # NOTE [function ops]
+        expand_function_ops(model, lambda domain, op: lookup(domain, op) is not None)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise OnnxLoadError(f"cannot write out a function op of the model ({type(exc).__name__}: {exc})") from exc
     if not has_contrib_ops(model):
         return model
     opset = _default_opset(model)
@@ -597,7 +602,7 @@ class OnnxModule(nn.Module):
                 requires_grad = dict(zip(self._feed_names, in_rg + t_rg))
             entry = CompiledEntry(self._exported, device, requires_grad)
             self._entries.put(key, entry)
-        stats = tuple(getattr(self, a) for a in self._stat_attrs)
+        stats = tuple(getattr(self, a) for a in getattr(self, "_stat_attrs", ()))
         if stats:  # NOTE [running stats]: onnxruntime gets copies; the new values are written back
             fed = {id(t) for t in stats}
             owned = [t.clone() if id(t) in fed else t for t in owned]

@@ -275,3 +275,97 @@ def test_files_optimised_by_onnxruntime_train_like_eager(arch, tmp_path):
             o.step()
             outs.append((out[keep] if arch == "gpt2" else out).detach())
         assert_close(outs[1], outs[0], RTOL, f"logits at step {step}")
+
+
+# -- standard ops defined as functions (NOTE [function ops]): opset 21 / 23 --------------------------------
+QA = R.standard_normal((B, 4, S, 8)).astype(np.float32)  # [B, q heads, S, head size]
+KA, VA = (R.standard_normal((B, 2, L, 8)).astype(np.float32) for _ in range(2))  # 2 key/value heads (GQA)
+BOOL_MASK = np.ones((S, L), bool)
+BOOL_MASK[:, 6:] = False
+BOOL_MASK[3, :] = True
+X4 = R.standard_normal((B, 6, 5, 7)).astype(np.float32)
+C6 = (1 + R.standard_normal(6) * 0.3).astype(np.float32), (R.standard_normal(6) * 0.3).astype(np.float32)
+
+
+def _sdpa(t, **kw):
+    return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], enable_gqa=True, **kw)
+
+
+FUNCTION_CASES = {
+    "RMSNormalization": ("RMSNormalization", 23, [("x", X, False), ("g", GAMMA, True)], {"epsilon": 1e-6},
+                         lambda t: [_rms(t["x"], t["g"], 1e-6)]),
+    "GroupNormalization": ("GroupNormalization", 21, [("x", X4, False), ("g", C6[0], True), ("b", C6[1], True)],
+                           {"num_groups": 3, "epsilon": 1e-5},
+                           lambda t: [F.group_norm(t["x"], 3, t["g"], t["b"], 1e-5)]),
+    "Attention_gqa_mask": ("Attention", 23, [("q", QA, False), ("k", KA, False), ("v", VA, False),
+                                             ("mask", BOOL_MASK, False)], {},
+                           lambda t: [_sdpa(t, attn_mask=t["mask"])]),
+    "Attention_causal": ("Attention", 23, [("q", QA, False), ("k", KA[:, :, :S].copy(), False),
+                                           ("v", VA[:, :, :S].copy(), False)], {"is_causal": 1},
+                         lambda t: [_sdpa(t, is_causal=True)]),
+}
+
+
+@pytest.mark.parametrize("case", list(FUNCTION_CASES))
+def test_function_op_is_written_out_as_its_onnx_body(case):
+    """NOTE [function ops]: opset 21 / 23 ops without a rule of their own train through the body ONNX
+    defines them by: the forward against onnxruntime's own kernel of the op and torch's formula, every
+    gradient against torch's autograd."""
+    op, opset, inputs, attrs, reference = FUNCTION_CASES[case]
+    ref_t = {n: torch.tensor(a, requires_grad=a.dtype == np.float32) for n, a, _ in inputs}
+    want = reference(ref_t)
+    inits = [numpy_helper.from_array(a, n) for n, a, init in inputs if init]
+    graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
+                    for n, a, init in inputs if not init]
+    node = helper.make_node(op, [n for n, _, _ in inputs], ["y"], name="composite", **attrs)
+    graph = helper.make_graph([node], "g", graph_inputs, [helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, list(want[0].shape))], inits)
+    file = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    feeds = {n: a for n, a, init in inputs if not init}
+    fused = ort.InferenceSession(file.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    om = OnnxModule(file, output_format="tuple")
+    assert op not in {n.op_type for n in om.to_onnx().graph.node}
+    data = {n: torch.tensor(feeds[n], requires_grad=feeds[n].dtype == np.float32) for n in om.input_names}
+    (got,) = om(*data.values())
+    assert_close(got.detach(), torch.from_numpy(fused[0]), 1e-5, f"{case}: output vs onnxruntime's kernel")
+    assert_close(got.detach(), want[0].detach(), 1e-5, f"{case}: output vs torch")
+    proj = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    (got * proj).sum().backward()
+    (want[0] * proj).sum().backward()
+    for n, a, init in inputs:
+        if a.dtype == np.float32:
+            mine = om.get_parameter(om.attr_names[n]).grad if init else data[n].grad
+            assert_close(mine, ref_t[n].grad, 1e-5, f"{case}: {n}.grad")
+
+
+@pytest.mark.exports
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_opset23_files_train_like_eager(arch):
+    """torch.onnx at opset 23 writes scaled_dot_product_attention as Attention and Llama's RMSNorm as
+    RMSNormalization; such files were refused at load ("no gradient rule"). They train at eager's numbers
+    over 3 AdamW steps (NOTE [function ops])."""
+    transformers = pytest.importorskip("transformers")
+    from .test_onnx_module import _assert_logits_train_alike, _Logits
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "bert":
+        net = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+    else:
+        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=64, use_cache=False))
+    net.eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model, x = _Logits(net), torch.randint(0, 100, (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        file = torch.onnx.export(model, (x,), dynamo=True, opset_version=23, verbose=False).model_proto
+        ops = {n.op_type for n in file.graph.node}
+        assert {"Attention"} <= ops and (arch == "bert" or "RMSNormalization" in ops), ops
+        om = OnnxModule(file, tie=True)
+    _assert_logits_train_alike(model, om, x)
