@@ -36,6 +36,14 @@ def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return out
 
 
+def _defined_as_function(op_type: str, opset: int) -> bool:
+    try:
+        schema = defs.get_schema(op_type, opset, "")
+    except Exception:
+        return False
+    return schema.has_function or schema.has_context_dependent_function
+
+
 def _body(node: onnx.NodeProto, opset: int, types: dict[str, onnx.TypeProto]) -> onnx.FunctionProto | None:
     try:
         schema = defs.get_schema(node.op_type, opset, node.domain)
@@ -151,9 +159,10 @@ def expand_function_ops(model: onnx.ModelProto, has_rule: Callable[[str, str], b
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     done: list[str] = []
     for rnd in range(_MAX_ROUNDS):
-        todo = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and not has_rule(n.domain, n.op_type)]
+        todo = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and not has_rule(n.domain, n.op_type)
+                and _defined_as_function(n.op_type, opset)]
         if not todo:
-            break
+            break  # (no shape inference of the whole model for nothing)
         types = _types(model)
         new_nodes: list[onnx.NodeProto] = []
         changed = False
