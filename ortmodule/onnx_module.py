@@ -212,8 +212,10 @@ def _ms_domain_rms(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
-    """NOTE [contrib ops]: onnxruntime's fused ``com.microsoft`` ops written out as standard ops (opset
-    17 at least, for LayerNormalization). Raises OnnxLoadError naming a node it cannot write out."""
+    """Ops without gradient rules written out as ops that have them: ONNX's function ops as their bodies
+    (NOTE [function ops]), onnxruntime's fused ``com.microsoft`` ops as the standard ops their kernels
+    compute (NOTE [contrib ops]; opset 17 at least, for LayerNormalization). Raises OnnxLoadError naming
+    a node it cannot write out."""
     from .passes.contrib import NEEDED_OPSET, ContribOpError, expand_contrib_ops, has_contrib_ops
     from .passes.functions import expand_function_ops
 
