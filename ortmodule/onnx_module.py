@@ -440,7 +440,9 @@ class OnnxModule(nn.Module):
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
         tensors = {t.name: _to_torch(t) for t in graph.initializer}
         trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph), _statistics(graph),
-                                          _position_tables(float_inits, tensors) if trainable is None else ())
+                                          _position_tables(float_inits, tensors) if trainable is None else (),
+                                          [n for n in float_inits if trainable is None
+                                           and _folded_constant(tensors[n].detach().float().numpy())])
 
         data_inputs = [vi for vi in graph.input if vi.name not in init_names]
         for vi in data_inputs:
@@ -664,6 +666,20 @@ class OnnxModule(nn.Module):
             onnx.save_model(model, str(path))
 
 
+def _folded_constant(a: np.ndarray) -> bool:
+    """NOTE [folded constants]: a float tensor no weight looks like: one holding -inf, NaN or a value of
+    1e30 or more (an attention mask's fill), or one value in every element over two or more axes (a mask
+    of zeros, [batch, 1, S, S], that an export at fixed shapes folds into an initializer: trained, a ViT
+    file's logits moved 2.4e-2 off eager's at the second AdamW step). A zero-initialised layer of a fresh
+    model (ControlNet's zero convolutions) looks like that too: the warning names it, trainable= trains it."""
+    if a.size <= 1 or not np.issubdtype(a.dtype, np.floating):
+        return False
+    flat = a.reshape(-1)
+    if not np.all(np.isfinite(flat)) or float(np.abs(flat).max()) >= 1e30:
+        return True
+    return sum(d > 1 for d in a.shape) >= 2 and bool(np.all(flat == flat[0]))
+
+
 def _merged_suspects(graph: onnx.GraphProto) -> dict[str, tuple[float, int]]:
     """Float initializers of more than one element, all equal, read by several nodes: name -> (value,
     readers) (NOTE [merged initializers])."""
@@ -675,7 +691,7 @@ def _merged_suspects(graph: onnx.GraphProto) -> dict[str, tuple[float, int]]:
     for t in graph.initializer:
         if t.data_type in _FLOAT_TYPES and readers.get(t.name, 0) > 1 and int(np.prod(t.dims)) > 1:
             arr = numpy_helper.to_array(t)
-            if np.all(arr == arr.reshape(-1)[0]):
+            if np.all(arr == arr.reshape(-1)[0]) and not _folded_constant(arr):
                 found[t.name] = (float(arr.reshape(-1)[0]), readers[t.name])
     return found
 
@@ -712,6 +728,28 @@ def _twins(graph: onnx.GraphProto) -> list[tuple[str, str, bool]]:
     return pairs
 
 
+def _broadcasts(graph: onnx.GraphProto) -> list[tuple[str, list[int]]]:
+    """Float initializers holding one smaller tensor repeated along some axes (bitwise equal slices, not all
+    one value): (name, those axes). NOTE [merged initializers]: an export at a fixed batch folds
+    ``cls_token.expand(batch, -1, -1)`` of a ViT into a [batch, 1, hidden] initializer, and its copies
+    train apart where the model has one token (a ViT file's logits 2.4e-2 off eager's at the second
+    AdamW step)."""
+    found = []
+    for t in graph.initializer:
+        if t.data_type not in _FLOAT_TYPES or int(np.prod(t.dims)) <= 1 or not any(d > 1 for d in t.dims):
+            continue
+        x = numpy_helper.to_array(t)
+        flat = x.reshape(-1)
+        if np.all(flat == flat[0]):
+            continue  # all one value: merged constants (_merged_suspects)
+        axes = [ax for ax, d in enumerate(x.shape) if d > 1
+                and np.array_equal(np.take(x, [1], ax), np.take(x, [0], ax))  # cheap first: two slices
+                and np.all(x == np.take(x, [0], ax))]
+        if axes:
+            found.append((t.name, axes))
+    return found
+
+
 def _rewrite_shared(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bool = False) -> None:
     """NOTE [merged initializers]: torch.onnx's exporter merges equal initializers into one (every
     LayerNorm weight of a fresh model is ones, every bias zeros: one HF BERT file read a single [32]
@@ -720,7 +758,9 @@ def _rewrite_shared(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bo
     embedding shared with the LM head), so it warns about the likely ones (all elements equal) and
     unties what ``untie`` names: each further reader gets a copy, ``<name>.1``, ``<name>.2`` ...; with
     ``tie``, the second of two initializers holding the same values (or transposed) becomes a node
-    computing it from the first, so both uses train one weight, as in the model."""
+    computing it from the first, so both uses train one weight, as in the model, and an initializer that
+    repeats one tensor along some axes (a folded broadcast) becomes that tensor, ``<name>.one``, and an
+    Expand."""
     graph = model.graph
     suspects = _merged_suspects(graph)
     if untie is True:
@@ -740,6 +780,29 @@ def _rewrite_shared(model: onnx.ModelProto, untie: bool | Sequence[str], tie: bo
                       f"exporter merged into one: {shown}{' ...' if len(left) > 6 else ''}. Trained as one they "
                       "stay tied; pass untie=True (or their names) to train a copy per reader "
                       "(NOTE [merged initializers])", stacklevel=3)
+    broadcasts = _broadcasts(graph)
+    if broadcasts and not tie:
+        by = {t.name: t for t in graph.initializer}
+        shown = ", ".join(f"{n!r} {list(by[n].dims)} (repeated along axis {', '.join(map(str, axes))})"
+                          for n, axes in broadcasts[:4])
+        warnings.warn(f"OnnxModule: initializer(s) {shown}{' ...' if len(broadcasts) > 4 else ''} hold one tensor "
+                      "repeated: a broadcast the exporter folded (a ViT's cls token expanded to the export batch)? "
+                      "Its copies train apart; pass tie=True to train it as one tensor (NOTE [merged initializers])",
+                      stacklevel=3)
+    if tie:
+        by = {t.name: t for t in graph.initializer}
+        for name, axes in broadcasts:
+            t = by[name]
+            x = numpy_helper.to_array(t)
+            one = x[tuple(slice(0, 1) if ax in axes else slice(None) for ax in range(x.ndim))]
+            reduced = numpy_helper.from_array(np.ascontiguousarray(one), f"{name}.one")
+            shape = numpy_helper.from_array(np.array(x.shape, np.int64), f"{name}.shape")
+            t.CopyFrom(reduced)
+            graph.initializer.append(shape)
+            graph.node.insert(0, helper.make_node("Expand", [reduced.name, shape.name], [name],
+                                                  name=f"ortmodule_tie_{name}"))
+        for i in [i for i in graph.input if i.name in by and any(i.name == n for n, _ in broadcasts)]:
+            graph.input.remove(i)  # IR 3 files list initializers as inputs
     twins = _twins(graph)
     if twins and not tie:
         shown = ", ".join(f"{a!r} and {b!r}{' (transposed)' if tr else ''}" for a, b, tr in twins[:4])
@@ -872,7 +935,8 @@ def _position_tables(names: Sequence[str], tensors: dict[str, torch.Tensor]) -> 
 
 
 def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = (),
-                      statistics: set[str] = frozenset(), tables: Sequence[str] = ()) -> set[str]:
+                      statistics: set[str] = frozenset(), tables: Sequence[str] = (),
+                      constants: Sequence[str] = ()) -> set[str]:
     if trainable is None:
         # NOTE [scalar constants]: exporters store constants as initializers too: torch.onnx's dynamo
         # exporter keeps the 0.0 that fills an LSTM's initial state, fill values of masks, epsilons and
@@ -891,7 +955,13 @@ def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] 
                           f"frequencies or cos/sin tables: {', '.join(repr(n) for n in tables[:10])}"
                           f"{' ...' if len(tables) > 10 else ''}); kept frozen as buffers, as in the torch model. "
                           "Pass trainable=[...] naming them to train them (NOTE [position tables])", stacklevel=3)
-        return set(float_inits) - set(scalars) - statistics - set(tables)
+        if constants:
+            warnings.warn(f"OnnxModule: {len(constants)} initializer(s) look like constants the exporter folded, not "
+                          f"weights (a mask: -inf / huge fill values, or one value over several axes: "
+                          f"{', '.join(repr(n) for n in constants[:10])}{' ...' if len(constants) > 10 else ''}); "
+                          "kept frozen as buffers. Pass trainable=[...] naming them to train them (a zero-initialised "
+                          "layer of a fresh model) (NOTE [folded constants])", stacklevel=3)
+        return set(float_inits) - set(scalars) - statistics - set(tables) - set(constants)
     if callable(trainable):
         return {n for n in float_inits if trainable(n)}
     if isinstance(trainable, str):

@@ -1040,3 +1040,104 @@ def test_training_mode_batchnorm_file_moves_its_running_statistics_once_per_call
         assert om.get_buffer(om.attr_names["1.running_mean"]) is mean_buf
         assert_close(mean_buf, want_mean, 1e-5, f"running mean at step {step}")
         assert_close(var_buf, want_var, 1e-5, f"running var at step {step}")
+
+
+def test_a_folded_broadcast_is_warned_and_tied_back_into_one_tensor():
+    """NOTE [merged initializers]: an export at a fixed batch folds ``cls_token.expand(batch, -1, -1)``
+    into a [batch, 1, hidden] initializer whose copies train apart. It is named in a warning; with
+    tie=True it becomes the one token and an Expand, and its gradient is the sum over the copies, as in
+    the model."""
+    rng = np.random.default_rng(0)
+    token = rng.standard_normal((1, 1, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3)).astype(np.float32)
+    inits = [numpy_helper.from_array(np.repeat(token, 4, axis=0), "expand"), numpy_helper.from_array(w, "w")]
+    nodes = [helper.make_node("Concat", ["expand", "x"], ["seq"], axis=1),
+             helper.make_node("MatMul", ["seq", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 6, 3])], inits)
+    file = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match=r"'expand' \[4, 1, 8\] \(repeated along axis 0\)"):
+        OnnxModule(file)
+    om = OnnxModule(file, tie=True)
+    assert sorted((om.onnx_names[n], tuple(p.shape)) for n, p in om.named_parameters()) == \
+        [("expand.one", (1, 1, 8)), ("w", (8, 3))]
+    ref_token, ref_w = torch.tensor(token, requires_grad=True), torch.tensor(w, requires_grad=True)
+    x = torch.randn(4, 5, 8)
+    want = torch.cat([ref_token.expand(4, -1, -1), x], 1) @ ref_w
+    got = om(x)
+    assert_close(got, want, 1e-6, "output")
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert_close(om.get_parameter(om.attr_names["expand.one"]).grad, ref_token.grad, 1e-5, "token.grad")
+    assert_close(om.w.grad, ref_w.grad, 1e-5, "w.grad")
+
+
+@pytest.mark.exports
+def test_vit_file_exported_at_a_fixed_batch_trains_like_eager_with_tie():
+    """A fine-tuned HF ViT exported by torch.onnx at a fixed batch (no dynamic_shapes) folds its cls token's
+    expand into a [batch, 1, hidden] initializer; with tie=True it trains at eager's numbers over 3 AdamW
+    steps (its copies had trained apart: 2.4e-2 off at the second step)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    net = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(pixel_values=x).logits
+
+    model, x = Logits(), torch.randn(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        file = torch.onnx.export(model, (x,), dynamo=True, verbose=False).model_proto
+        om = OnnxModule(file, tie=True)
+    _assert_logits_train_alike(model, om, x)
+
+
+def test_folded_masks_stay_buffers_and_zero_initialised_weights_train():
+    """NOTE [folded constants]: an additive causal mask (-inf above the diagonal) and a mask of zeros over
+    [batch, 1, S, S], which an export at fixed shapes folds into initializers, stay buffers with a warning
+    naming them; a layer-scale of ones [1, 1, C] and a zero bias [C] are weights and train."""
+    from ortmodule.onnx_module import _folded_constant
+
+    causal = np.triu(np.full((4, 4), -np.inf, np.float32), 1)[None, None]
+    zeros = np.zeros((2, 1, 4, 4), np.float32)
+    assert _folded_constant(causal) and _folded_constant(zeros)
+    assert _folded_constant(np.full((3, 5), np.finfo(np.float32).min, np.float32))
+    for weight in (np.ones((1, 1, 8), np.float32), np.zeros(8, np.float32), np.zeros((8, 1), np.float32),
+                   np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)):
+        assert not _folded_constant(weight)
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(causal, "mask"), numpy_helper.from_array(zeros, "zero_mask"),
+             numpy_helper.from_array(np.ones((1, 1, 4), np.float32), "scale"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "bias"),
+             numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "w")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("MatMul", ["h", "hT"], ["scores"]),
+             helper.make_node("Transpose", ["h"], ["hT"], perm=[0, 1, 3, 2]),
+             helper.make_node("Add", ["scores", "mask"], ["s1"]),
+             helper.make_node("Add", ["s1", "zero_mask"], ["s2"]),
+             helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "h"], ["ctx"]),
+             helper.make_node("Mul", ["ctx", "scale"], ["c1"]),
+             helper.make_node("Add", ["c1", "bias"], ["y"])]
+    nodes = [nodes[0], nodes[2], *nodes[1:2], *nodes[3:]]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1, 4, 4])], inits)
+    file = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match=r"folded.*'mask', 'zero_mask'"):
+        om = OnnxModule(file)
+    assert sorted(om.onnx_names[n] for n, _ in om.named_parameters()) == ["bias", "scale", "w"]
+    om(torch.randn(2, 1, 4, 4)).square().sum().backward()
+    assert all(p.grad is not None for p in om.parameters())
+    assert sorted(om.onnx_names[n] for n, _ in OnnxModule(file, trainable=["w", "zero_mask"]).named_parameters()) \
+        == ["w", "zero_mask"]
