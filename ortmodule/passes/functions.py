@@ -159,15 +159,16 @@ def expand_function_ops(model: onnx.ModelProto, has_rule: Callable[[str, str], b
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     done: list[str] = []
     for rnd in range(_MAX_ROUNDS):
-        todo = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and not has_rule(n.domain, n.op_type)
-                and _defined_as_function(n.op_type, opset)]
+        nodes = list(model.graph.node)
+        todo = {k for k, n in enumerate(nodes) if n.domain in ("", "ai.onnx") and not has_rule(n.domain, n.op_type)
+                and _defined_as_function(n.op_type, opset)}
         if not todo:
             break  # (no shape inference of the whole model for nothing)
         types = _types(model)
         new_nodes: list[onnx.NodeProto] = []
         changed = False
-        for k, node in enumerate(model.graph.node):
-            body = _body(node, opset, types) if node in todo else None
+        for k, node in enumerate(nodes):
+            body = _body(node, opset, types) if k in todo else None
             if body is None:
                 new_nodes.append(node)
                 continue
