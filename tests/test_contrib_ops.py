@@ -213,6 +213,7 @@ def test_contrib_forms_not_written_out_are_refused_at_load_naming_the_node():
         OnnxModule(file)
 
 
+@pytest.mark.exports
 @pytest.mark.parametrize("arch", ["bert", "bert-opset14", "gpt2"])
 def test_files_optimised_by_onnxruntime_train_like_eager(arch, tmp_path):
     """A fine-tuned HF BERT (eager attention) and GPT-2, exported by torch.onnx and fused by onnxruntime's
