@@ -439,10 +439,11 @@ class OnnxModule(nn.Module):
         init_names = {t.name for t in graph.initializer}
         float_inits = [t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES]
         tensors = {t.name: _to_torch(t) for t in graph.initializer}
+        # what no weight looks like, judged by value (only when the module chooses what trains)
+        values = {n: tensors[n].float().numpy() for n in float_inits} if trainable is None else {}
         trainable_set = _select_trainable(float_inits, trainable, _constant_scalars(graph), _statistics(graph),
-                                          _position_tables(float_inits, tensors) if trainable is None else (),
-                                          [n for n in float_inits if trainable is None
-                                           and _folded_constant(tensors[n].detach().float().numpy())])
+                                          _position_tables(values), [n for n, a in values.items()
+                                                                     if _folded_constant(a)])
 
         data_inputs = [vi for vi in graph.input if vi.name not in init_names]
         for vi in data_inputs:
@@ -913,7 +914,7 @@ def _frequencies(a: np.ndarray) -> bool:
     return bool(ratio[0] < 1 and np.all(np.abs(ratio / ratio[0] - 1) <= 1e-5))
 
 
-def _position_tables(names: Sequence[str], tensors: dict[str, torch.Tensor]) -> list[str]:
+def _position_tables(values: dict[str, np.ndarray]) -> list[str]:
     """NOTE [position tables]: float initializers that hold a model's position encoding rather than
     weights. A rotary model's ``inv_freq`` buffer is stored as an initializer (torch.onnx without
     optimisation), or its cos / sin tables are folded into initializers (``unsqueeze_14`` /
@@ -923,15 +924,8 @@ def _position_tables(names: Sequence[str], tensors: dict[str, torch.Tensor]) -> 
     initializer named ``*inv_freq`` or holding a geometric sequence from 1 down (the frequencies), or
     whose columns are sinusoids over the positions (a three-term recurrence per column no trained or
     random weight meets). A table fine-tuned off the sinusoids no longer matches, and trains."""
-    found = []
-    for name in names:
-        t = tensors[name]
-        if t.numel() < 2:
-            continue
-        a = t.detach().float().numpy()
-        if name.endswith("inv_freq") or _frequencies(a) or _sinusoidal(a):
-            found.append(name)
-    return found
+    return [name for name, a in values.items()
+            if a.size >= 2 and (name.endswith("inv_freq") or _frequencies(a) or _sinusoidal(a))]
 
 
 def _select_trainable(float_inits: list[str], trainable, scalars: Sequence[str] = (),

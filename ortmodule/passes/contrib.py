@@ -162,11 +162,12 @@ def _skip_layer_norm(w: _Writer, node: onnx.NodeProto, a: dict) -> None:
          epsilon=float(a.get("epsilon", 1e-12)))
 
 
-def _rms(w: _Writer, s: str, gamma: str, eps: float, out: str) -> str:
-    ms = w.reduce("ReduceMean", w.op("Mul", [s, s]), [-1], 1)
-    inv = w.op("Reciprocal", [w.op("Sqrt", [w.op("Add", [ms, w.const(eps, s)])])])
+def _rms(w: _Writer, s: str, gamma: str, eps: float, out: str, axes: list[int] = (-1,),
+         inv_out: str | None = None) -> None:
+    """out = s / sqrt(mean(s^2 over ``axes``) + eps) * gamma; the inverse RMS is ``inv_out``."""
+    ms = w.reduce("ReduceMean", w.op("Mul", [s, s]), list(axes), 1)
+    inv = w.op("Reciprocal", [w.op("Sqrt", [w.op("Add", [ms, w.const(eps, s)])])], inv_out)
     w.op("Mul", [w.op("Mul", [s, inv]), gamma], out)
-    return inv
 
 
 def _skip_simplified_layer_norm(w: _Writer, node: onnx.NodeProto, a: dict) -> None:
@@ -271,14 +272,16 @@ def _attend(w: _Writer, a: dict, q: str, k: str, v: str, sizes: list, mask: str 
     scores = w.op("Mul", [w.op("MatMul", [qh, kh]), w.const(scale, q)])
     fill = float(a.get("mask_filter_value", -10000.0))
     zero, filled = w.const(0.0, q), w.const(fill, q)
-    keys = w.op("Squeeze", [w.op("Shape", [k], start=1, end=2), w.ints([0])])
+    def keys():
+        return w.op("Squeeze", [w.op("Shape", [k], start=1, end=2), w.ints([0])])
+
     if mask is not None:
         rank = 1 if mask in mask_lengths else w.rank(mask, "mask")
         if rank == 1:
             if mask not in mask_lengths:
                 raise ContribOpError(f"{w.where()}: a 1-D mask that does not come from EmbedLayerNormalization "
                                      "(it may hold start and end positions)")
-            j = w.op("Range", [w.ints(0), keys, w.ints(1)])
+            j = w.op("Range", [w.ints(0), keys(), w.ints(1)])
             lengths = w.op("Unsqueeze", [w.op("Cast", [mask], to=onnx.TensorProto.INT64), w.ints([1])])
             keep = w.op("Less", [w.op("Unsqueeze", [j, w.ints([0])]), lengths])  # [B, T]
             add = w.op("Unsqueeze", [w.op("Where", [keep, zero, filled]), w.ints([1, 2])])
@@ -292,7 +295,7 @@ def _attend(w: _Writer, a: dict, q: str, k: str, v: str, sizes: list, mask: str 
     if a.get("unidirectional", 0):
         queries = w.op("Squeeze", [w.op("Shape", [q], start=1, end=2), w.ints([0])])
         i = w.op("Range", [w.ints(0), queries, w.ints(1)])
-        j = w.op("Range", [w.ints(0), keys, w.ints(1)])
+        j = w.op("Range", [w.ints(0), keys(), w.ints(1)])
         later = w.op("Greater", [w.op("Unsqueeze", [j, w.ints([0])]), w.op("Unsqueeze", [i, w.ints([1])])])
         scores = w.op("Add", [scores, w.op("Where", [later, filled, zero])])
     if attention_bias is not None:
@@ -307,15 +310,9 @@ def _simplified_layer_norm(w: _Writer, node: onnx.NodeProto, a: dict) -> None:
     norm in the default domain); output 1 is the inverse RMS."""
     x = node.input[0]
     axis = int(a.get("axis", -1))
-    if axis != -1:
-        r = w.rank(x, "input")
-        axes = list(range(axis % r, r))
-    else:
-        axes = [-1]
-    ms = w.reduce("ReduceMean", w.op("Mul", [x, x]), axes, 1)
-    inv = w.op("Reciprocal", [w.op("Sqrt", [w.op("Add", [ms, w.const(float(a.get("epsilon", 1e-5)), x)])])],
-               _out(node, 1))
-    w.op("Mul", [w.op("Mul", [x, inv]), node.input[1]], node.output[0])
+    r = w.rank(x, "input") if axis != -1 else None
+    axes = list(range(axis % r, r)) if r is not None else [-1]
+    _rms(w, x, node.input[1], float(a.get("epsilon", 1e-5)), node.output[0], axes, _out(node, 1))
 
 
 _EXPANSIONS = {
