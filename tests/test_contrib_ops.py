@@ -213,6 +213,31 @@ def test_contrib_forms_not_written_out_are_refused_at_load_naming_the_node():
         OnnxModule(file)
 
 
+def _fine_tuned_lm(arch: str, **config):
+    """A small HF model (bert: sequence classifier, gpt2 / llama: causal LM) in eval mode, every weight
+    moved as in a fine-tuned checkpoint (no two weights alike, no zero bias); ``config`` adds settings."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "bert":
+        net = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, **config))
+    elif arch == "gpt2":
+        net = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            use_cache=False, **config))
+    else:
+        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=64, use_cache=False, **config))
+    net.eval()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return net
+
+
 @pytest.mark.exports
 @pytest.mark.parametrize("arch", ["bert", "bert-opset14", "gpt2"])
 def test_files_optimised_by_onnxruntime_train_like_eager(arch, tmp_path):
@@ -221,27 +246,13 @@ def test_files_optimised_by_onnxruntime_train_like_eager(arch, tmp_path):
     BiasGelu / FastGelu), train at eager's numbers: logits with padded rows over 3 AdamW steps. An opset-14
     file is upgraded to 17 first (LayerNormalization)."""
     arch, opset = arch.split("-opset")[0], int(arch.split("-opset")[1]) if "-opset" in arch else 18
-    transformers = pytest.importorskip("transformers")
+    net = _fine_tuned_lm(arch, attn_implementation="eager")
     from onnxruntime.transformers import optimizer
 
     from .test_onnx_module import RTOL
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if arch == "bert":
-        net = transformers.BertForSequenceClassification(transformers.BertConfig(
-            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, attn_implementation="eager"))
-        fused = {"EmbedLayerNormalization", "Attention", "SkipLayerNormalization", "BiasGelu"}
-    else:
-        net = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            use_cache=False, attn_implementation="eager"))
-        fused = {"SkipLayerNormalization", "FastGelu"}
-    net.eval()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    fused = {"EmbedLayerNormalization", "Attention", "SkipLayerNormalization", "BiasGelu"} if arch == "bert" \
+        else {"SkipLayerNormalization", "FastGelu"}
 
     class Logits(torch.nn.Module):
         def __init__(self) -> None:
@@ -345,23 +356,9 @@ def test_opset23_files_train_like_eager(arch):
     """torch.onnx at opset 23 writes scaled_dot_product_attention as Attention and Llama's RMSNorm as
     RMSNormalization; such files were refused at load ("no gradient rule"). They train at eager's numbers
     over 3 AdamW steps (NOTE [function ops])."""
-    transformers = pytest.importorskip("transformers")
     from .test_onnx_module import _assert_logits_train_alike, _Logits
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if arch == "bert":
-        net = transformers.BertForSequenceClassification(transformers.BertConfig(
-            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
-    else:
-        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            intermediate_size=64, use_cache=False))
-    net.eval()
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    net = _fine_tuned_lm(arch)
     model, x = _Logits(net), torch.randint(0, 100, (4, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

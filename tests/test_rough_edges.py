@@ -65,20 +65,22 @@ def test_torch_compile_of_the_wrapper_is_a_clean_graph_break():
     assert wrapped.stats.exports == 1 and wrapped.stats.fallbacks == 0
 
 
+class Lookup(nn.Module):
+    """An embedding (of the given kind) and a linear head."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+        self.out = nn.Linear(emb.embedding_dim, 4)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
 def test_embedding_with_max_norm_falls_back_naming_it_and_renormalises_once():
     """Before: a fallback that named an AssertionError deep in torch.export's decomposition."""
-
-    class Lookup(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(50, 16, max_norm=1.0)
-            self.out = nn.Linear(16, 4)
-
-        def forward(self, ids):
-            return self.out(self.emb(ids))
-
     torch.manual_seed(0)
-    eager = Lookup()
+    eager = Lookup(nn.Embedding(50, 16, max_norm=1.0))
     wrapped = ORTModule(copy.deepcopy(eager))
     ids = torch.randint(0, 50, (8, 12))
     with warnings.catch_warnings(record=True) as caught:
@@ -93,18 +95,8 @@ def test_embedding_with_max_norm_falls_back_naming_it_and_renormalises_once():
 
 def test_sparse_embedding_falls_back_naming_it_and_keeps_its_sparse_gradient():
     """Before: the gradient came back dense, and torch.optim.SparseAdam refused it on the first step."""
-
-    class Lookup(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(500, 16, sparse=True)
-            self.out = nn.Linear(16, 4)
-
-        def forward(self, ids):
-            return self.out(self.emb(ids))
-
     torch.manual_seed(0)
-    eager = Lookup()
+    eager = Lookup(nn.Embedding(500, 16, sparse=True))
     wrapped = ORTModule(copy.deepcopy(eager))
     opts = [torch.optim.SparseAdam([m.emb.weight], lr=1e-2) for m in (eager, wrapped.module)]
     with warnings.catch_warnings(record=True) as caught:
