@@ -1,7 +1,8 @@
 """Silent wrong gradients at the autograd seam and in the autodiff walk.
 
 A. double backward (``create_graph=True``) must raise, not return gradients detached from the graph;
-B. a parameter that only absent outputs reach keeps ``.grad is None``, as in eager;
+B. a parameter that only absent outputs reach keeps ``.grad is None``, as in eager; one that only
+   zero-derivative ops (round, floor, sign, ...) reach gets a zero ``.grad``, as in eager;
 C. values read only inside ``If``/``Loop`` subgraphs: constant ``If``s are inlined (``torch.tile``),
    what remains on a gradient path raises naming the op.
 Every value is compared with eager PyTorch.
@@ -125,6 +126,43 @@ def test_unreached_parameter_grad_is_none_under_adamw(used, softmax_b):
     if used == "a":  # weight decay did not move head_b (eager leaves its .grad None)
         assert wrapped.module.head_b.weight.grad is None
         assert wrapped.module.shared.weight.grad is not None
+
+
+class Quantised(nn.Module):
+    """A learned-step feature without a straight-through estimator (a common slip): ``step``'s only
+    path to the loss is ``op``, whose derivative is zero. Eager gives ``step`` a zero ``.grad``, so
+    AdamW still decays it; ``alone``: the output is ``op`` of a layer and nothing else."""
+
+    OPS = {
+        "round": torch.round, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
+        "sign": torch.sign, "div_floor": lambda h: torch.div(h, 0.3, rounding_mode="floor"),
+    }
+
+    def __init__(self, op: str, alone: bool) -> None:
+        super().__init__()
+        self.step = nn.Linear(16, 16)
+        self.body = nn.Linear(16, 16)
+        self.op, self.alone = self.OPS[op], alone
+
+    def forward(self, x):
+        q = self.op(self.step(x) * 4) / 4
+        return q if self.alone else self.body(x) * 0.5 + q
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["with_a_path", "alone"])
+@pytest.mark.parametrize("op", sorted(Quantised.OPS))
+def test_zero_derivative_ops_give_zero_grads_under_adamw(op, alone):
+    """NOTE [zero derivatives]: before, ``step.grad`` was None (AdamW skipped it: step.weight 3.0e-3 off after 3
+    steps), and a model whose output was only ``round(...)`` fell back (an empty backward graph)."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(2048, 16),) for _ in range(3)]
+    wrapped = train_side_by_side(
+        Quantised(op, alone), batches, lambda out, batch: (out * out.detach().sign()).sum() + out.pow(2).mean(),
+        rtol=RTOL, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    )
+    assert wrapped._stats.fallbacks == 0
+    grad = wrapped.module.step.weight.grad
+    assert grad is not None and not grad.any()
 
 
 # -- C. values read inside If / Loop subgraphs -------------------------------------------------------

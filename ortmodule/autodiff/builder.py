@@ -10,6 +10,7 @@ import onnx_ir as ir
 from ..errors import GradientRuleError, node_location
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .registry import GradBuilder, is_float, lookup
+from .rules.indexing import zeros_like
 
 STOP_GRADIENT_KEY = "pkg.ortmodule.stop_gradient"  # set by export/semantics.py
 
@@ -126,7 +127,15 @@ def build_gradient(
             grads[v] = [summed]
         return grads[v][0]
 
+    # Values some output depends on through active values (eager's autograd graph reaches them),
+    # whether or not a gradient contribution arrived: NOTE [zero derivatives].
+    reached: set[ir.Value] = set(outputs)
     for node in reversed(list(graph)):
+        if not any(o in reached for o in node.outputs):
+            continue
+        info = lookup(node.domain, node.op_type)
+        if info is None or info.fn is not None:
+            reached.update(v for v in node_reads(node) if v in active)
         if not any(o in grads for o in node.outputs):
             continue
         captured = [v for v in captured_values(node) if v in active] if _subgraphs(node) else []
@@ -178,6 +187,10 @@ def build_gradient(
             grads.setdefault(inp, []).append(r)
 
     input_grads = {v: total(v) for v in wrt}
+    for v, grad in input_grads.items():
+        if grad is None and v in reached and v in active:  # NOTE [zero derivatives]
+            g._node = None
+            input_grads[v] = zeros_like(g, v)
     return GradientGraph(
         nodes=g.nodes, outputs=list(outputs), grad_outputs=grad_inputs, input_grads=input_grads
     )

@@ -51,6 +51,14 @@ row("Sqrt", "Sqrt", [positive(3, 4)], torch.sqrt)
 row("Reciprocal", "Reciprocal", [away(3, 4, margin=0.5)], torch.reciprocal)
 row("Abs", "Abs", [away(3, 4)], torch.abs)
 row("Erf", "Erf", [randn(3, 4)], torch.erf)
+# NOTE [zero derivatives]: torch's backward of these is zeros (not "no gradient"); inputs sit a
+# quarter away from the steps so the finite differences see the flat parts.
+# (their own generator: drawing from _rng would change every later row's inputs)
+_steps = (np.round(np.random.default_rng(7).standard_normal((3, 4)) * 3) + 0.25).astype(np.float32)
+row("Round", "Round", [_steps], torch.round)
+row("Floor", "Floor", [_steps], torch.floor)
+row("Ceil", "Ceil", [_steps], torch.ceil)
+row("Sign", "Sign", [_steps], torch.sign)
 row("Sin", "Sin", [randn(3, 4)], torch.sin)
 row("Cos", "Cos", [randn(3, 4)], torch.cos)
 # Cast to float32 is linear; a large FD step keeps float32 rounding out of the difference quotient.

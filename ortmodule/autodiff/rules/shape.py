@@ -1,5 +1,5 @@
-"""Shape and layout ops: Reshape, Flatten, (Un)Squeeze, Transpose, Expand, and the
-non-differentiable ops whose outputs are shapes, indices or booleans."""
+"""Shape and layout ops: Reshape, Flatten, (Un)Squeeze, Transpose, Expand, the non-differentiable ops
+whose outputs are shapes, indices or booleans, and the ops whose derivative is zero."""
 
 from __future__ import annotations
 
@@ -11,8 +11,23 @@ register_nondifferentiable(
     "Shape", "Size", "Constant", "ConstantOfShape", "Range", "NonZero", "EyeLike", "RandomNormalLike",
     "RandomUniformLike", "RandomNormal", "RandomUniform", "Bernoulli", "Multinomial",
     "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
-    "IsNaN", "IsInf", "ArgMax", "ArgMin", "Sign", "Floor", "Ceil", "Round", "OneHot",
+    "IsNaN", "IsInf", "ArgMax", "ArgMin", "OneHot",
 )
+
+
+# NOTE [zero derivatives]: torch differentiates round, floor, ceil, trunc and sign (their outputs
+# require grad; the backward is zeros), where a comparison or argmax ends the graph. The difference
+# shows when nothing else reaches a parameter: eager gives it a zero ``.grad``, so AdamW decays it
+# and advances its moments; a ``None`` grad would make AdamW skip it, a silent divergence. So these
+# ops keep their outputs on the gradient path and contribute nothing; ``build_gradient`` gives a
+# target that only such ops reach a zero gradient, and an output that only they reach is
+# differentiable, as in eager.
+@register("Sign")
+@register("Floor")
+@register("Ceil")
+@register("Round")
+def zero_derivative_grad(g: GradBuilder, node: ir.Node, dys):
+    return [None] * len(node.inputs)
 
 
 def _back_to_shape(g: GradBuilder, node: ir.Node, dys):
