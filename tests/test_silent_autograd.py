@@ -25,7 +25,7 @@ from ortmodule.export import export_module
 from ortmodule.io import flatten_inputs
 from ortmodule.partition import build_training_graphs
 
-from .helpers import assert_close, train_side_by_side
+from .helpers import TORCH_EXPORT, assert_close, train_side_by_side
 
 RTOL = 1e-5
 
@@ -160,7 +160,8 @@ def test_zero_derivative_ops_give_zero_grads_under_adamw(op, alone):
         Quantised(op, alone), batches, lambda out, batch: (out * out.detach().sign()).sum() + out.pow(2).mean(),
         rtol=RTOL, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     )
-    assert wrapped._stats.fallbacks == 0
+    # the TorchScript exporter has no symbolic for trunc: that one falls back there (with eager's numbers)
+    assert wrapped._stats.fallbacks == (1 if op == "trunc" and not TORCH_EXPORT else 0)
     grad = wrapped.module.step.weight.grad
     assert grad is not None and not grad.any()
 

@@ -94,6 +94,28 @@ def differentiable_values(graph: ir.Graph, wrt: Sequence[ir.Value], *, untyped: 
     return active
 
 
+def _differentiated_inputs(g: GradBuilder, node: ir.Node, active: set[ir.Value], zeros: Sequence[bool]
+                           ) -> list[ir.Value]:
+    """The active inputs of ``node`` that its rule gives a gradient (NOTE [zero derivatives]): asked of
+    the rule itself, with placeholder output gradients, in a scratch builder whose nodes are dropped."""
+    info = lookup(node.domain, node.op_type)
+    reads = [v for v in node.inputs if v is not None and v in active]
+    if info is None or info.fn is None or not reads or _subgraphs(node):
+        return []  # no rule (or control flow): no gradient to be zero, as before
+    if info.zero_derivative:
+        return reads
+    scratch = GradBuilder(g.opset, g.dim_values)
+    scratch.active = active
+    dys = [ir.Value(name=f"probe.{o.name}", type=o.type, shape=o.shape) if z else None
+           for o, z in zip(node.outputs, zeros)]
+    scratch._node = node
+    try:
+        results = info.fn(scratch, node, dys)
+    except Exception:  # a rule that cannot run here gives no gradient anywhere: leave it to None
+        return []
+    return [v for v, r in zip(node.inputs, results) if r is not None and v is not None and v in active]
+
+
 def build_gradient(
     graph: ir.Graph,
     wrt: Sequence[ir.Value],
@@ -127,16 +149,15 @@ def build_gradient(
             grads[v] = [summed]
         return grads[v][0]
 
-    # Values some output depends on through active values (eager's autograd graph reaches them),
-    # whether or not a gradient contribution arrived: NOTE [zero derivatives].
-    reached: set[ir.Value] = set(outputs)
+    # NOTE [zero derivatives]: the values a zero-derivative op (Round, Floor, ...) passes a zero
+    # gradient to, and upstream of them the inputs each rule differentiates: eager's autograd reaches
+    # them with zeros where no other contribution arrives.
+    zero_reached: set[ir.Value] = set()
     for node in reversed(list(graph)):
-        if not any(o in reached for o in node.outputs):
-            continue
-        info = lookup(node.domain, node.op_type)
-        if info is None or info.fn is not None:
-            reached.update(v for v in node_reads(node) if v in active)
         if not any(o in grads for o in node.outputs):
+            zeros = [o in zero_reached for o in node.outputs]
+            if any(zeros):
+                zero_reached.update(_differentiated_inputs(g, node, active, zeros))
             continue
         captured = [v for v in captured_values(node) if v in active] if _subgraphs(node) else []
         if not captured and not any(v in active for v in node.inputs if v is not None):
@@ -176,6 +197,8 @@ def build_gradient(
                 f"Gradient rule for '{node.op_type}' returned {len(results)} gradients for "
                 f"{len(node.inputs)} inputs ({node_location(node)})"
             )
+        if info.zero_derivative:
+            zero_reached.update(v for v in node.inputs if v is not None and v in active)
         for inp, r in zip(node.inputs, results, strict=True):
             if r is None or inp is None or inp not in active:
                 continue
@@ -188,7 +211,7 @@ def build_gradient(
 
     input_grads = {v: total(v) for v in wrt}
     for v, grad in input_grads.items():
-        if grad is None and v in reached and v in active:  # NOTE [zero derivatives]
+        if grad is None and v in zero_reached:  # NOTE [zero derivatives]
             g._node = None
             input_grads[v] = zeros_like(g, v)
     return GradientGraph(

@@ -33,6 +33,7 @@ class RuleInfo:
     domain: str
     op_type: str
     fn: Rule | None  # None: the op is not differentiable (its outputs never carry gradient)
+    zero_derivative: bool = False  # differentiable with derivative zero (NOTE [zero derivatives])
 
 
 _RULES: dict[tuple[str, str], RuleInfo] = {}
@@ -58,6 +59,20 @@ def register_nondifferentiable(*op_types: str, domain: str = "") -> None:
         if key in _RULES:
             raise ValueError(f"a gradient rule for {domain or 'ai.onnx'}::{op_type} is already registered")
         _RULES[key] = RuleInfo(domain, op_type, None)
+
+
+def register_zero_derivative(*op_types: str, domain: str = "") -> None:
+    """Mark ops whose derivative is zero (Round, Floor, ...): their outputs stay on the gradient path, as in
+    torch, and pass a zero gradient to their inputs (NOTE [zero derivatives] in rules/shape.py)."""
+    for op_type in op_types:
+        key = (domain, op_type)
+        if key in _RULES:
+            raise ValueError(f"a gradient rule for {domain or 'ai.onnx'}::{op_type} is already registered")
+        _RULES[key] = RuleInfo(domain, op_type, _no_contribution, zero_derivative=True)
+
+
+def _no_contribution(g: GradBuilder, node: ir.Node, dys) -> list[None]:
+    return [None] * len(node.inputs)
 
 
 # A rule's precondition: ``check(node)`` says why the rule cannot differentiate this node (an attribute

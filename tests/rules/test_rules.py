@@ -139,6 +139,36 @@ def test_no_gradient_through_nondifferentiable_ops():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_zero_derivative_reaches_only_what_rules_differentiate():
+    """NOTE [zero derivatives]: y = Resize(Round(x * w), scales=s) + Resize(x, scales=s). ``w`` reaches y only
+    through Round: a zero gradient, as torch's round gives. ``s`` (Resize's scales) has no gradient in
+    either Resize's rule: None, not a zero (OnnxModule trains float initializers: AdamW would decay a
+    zero-gradient scales tensor, and a cubic Resize refuses scales off 1 on the outer axes)."""
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("Round", ["h"], ["q"]),
+        helper.make_node("Resize", ["q", "", "s"], ["r1"], mode="linear"),
+        helper.make_node("Resize", ["x", "", "s"], ["r2"], mode="linear"),
+        helper.make_node("Add", ["r1", "r2"], ["y"]),
+    ]
+    shape = [1, 2, 3, 3]
+    graph = helper.make_graph(
+        nodes, "zero",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "w")]
+        + [helper.make_tensor_value_info("s", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])],
+    )
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]))
+    g = ir.from_proto(proto).graph
+    x, w, s = g.inputs
+    gg = build_gradient(g, wrt=[x, w, s], outputs=[g.outputs[0]], opset=20)
+    assert gg.input_grads[s] is None
+    assert gg.input_grads[x] is not None and gg.input_grads[x].producer().op_type != "ConstantOfShape"
+    zero = gg.input_grads[w]
+    assert zero is not None and zero.producer().op_type == "ConstantOfShape"
+    assert not onnx.numpy_helper.to_array(ir.serde.serialize_tensor(zero.producer().attributes["value"].value)).any()
+
+
 def test_failure_message_names_the_row():
     bad = OpCase("Neg", "Neg_wrong_reference", [np.ones((2, 2), np.float32)], torch_fn=lambda x: x)
     with pytest.raises(AssertionError, match=r"Neg row 'Neg_wrong_reference'.*forward output y0"):

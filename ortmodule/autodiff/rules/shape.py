@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..registry import GradBuilder, attr, register, register_nondifferentiable
+from ..registry import GradBuilder, attr, register, register_nondifferentiable, register_zero_derivative
 
 register_nondifferentiable(
     "Shape", "Size", "Constant", "ConstantOfShape", "Range", "NonZero", "EyeLike", "RandomNormalLike",
@@ -21,13 +21,9 @@ register_nondifferentiable(
 # and advances its moments; a ``None`` grad would make AdamW skip it, a silent divergence. So these
 # ops keep their outputs on the gradient path and contribute nothing; ``build_gradient`` gives a
 # target that only such ops reach a zero gradient, and an output that only they reach is
-# differentiable, as in eager.
-@register("Sign")
-@register("Floor")
-@register("Ceil")
-@register("Round")
-def zero_derivative_grad(g: GradBuilder, node: ir.Node, dys):
-    return [None] * len(node.inputs)
+# differentiable, as in eager. Upstream of such an op, a value gets the zero only through the inputs
+# each rule differentiates (Resize's scales, say, get none).
+register_zero_derivative("Sign", "Floor", "Ceil", "Round")
 
 
 def _back_to_shape(g: GradBuilder, node: ir.Node, dys):
