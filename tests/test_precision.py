@@ -289,3 +289,109 @@ def test_float64_kernels_keep_float64_precision(act):
     with torch.no_grad():
         assert_close(wrapped(x), model(x), 1e-12, "no-grad output")
     assert wrapped.stats.fallbacks == 0
+
+
+class MaxHeads(nn.Module):
+    """The max reductions users write: a CNN's max pool, a max over time, amax / amin features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, img, seq):
+        pooled = F.max_pool2d(self.conv(img), 2).flatten(1)  # [N, 8 * 8 * 8]
+        h = self.proj(seq)  # [N, T, 16]
+        over_time = h.max(dim=1).values + h.amax(dim=1) - h.amin(dim=1)  # [N, 16]
+        local = F.max_pool1d(h.transpose(1, 2), 2).flatten(1)  # [N, 16 * T / 2]
+        return torch.cat([pooled, over_time, local], 1)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_nan_in_a_max_window_propagates_like_eager(grad):
+    """NOTE [NaN in max]: onnxruntime's max reductions and max pool skip NaN; a NaN in one sample
+    came out as finite values (and a finite loss), where eager's are NaN."""
+    torch.manual_seed(0)
+    model = MaxHeads()
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    g = torch.Generator().manual_seed(1)
+    img, seq = torch.randn(64, 3, 16, 16, generator=g), torch.randn(64, 32, 16, generator=g)
+    img[3, 0, 5, 7] = float("nan")  # one pixel of sample 3: its pooled window (and the conv's reach)
+    seq[9, 4, :] = float("nan")  # one time step of sample 9
+    outs = []
+    for m in (eager, wrapped):
+        with torch.set_grad_enabled(grad):
+            out = m(img, seq)
+            if grad:
+                out.square().mean().backward()
+        outs.append(out.detach())
+    got, want = outs[1], outs[0]
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan()), "NaN positions differ from eager's"
+    finite = ~want.isnan()
+    assert_close(got[finite], want[finite], 1e-5, "the values beside the NaN")
+    assert wrapped.stats.fallbacks == 0
+    if grad:  # the loss was NaN in both: every weight gradient is NaN somewhere, as in eager
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert po.grad.isnan().any() == pe.grad.isnan().any(), name
+    for m in (eager, wrapped):  # and a clean batch afterwards is eager's again
+        m.zero_grad()
+    clean = [m(img.nan_to_num(), seq.nan_to_num()) for m in (eager, wrapped)]
+    assert_close(clean[1], clean[0], 1e-5, "a clean batch after the NaN one")
+
+
+def _max_graph(op: str, dtype, opset: int, **attrs):
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    elem = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
+            torch.float64: TensorProto.DOUBLE}[dtype]
+    inputs, extra = ["x"], []
+    if op != "MaxPool" and opset >= 18:
+        inputs.append("axes")
+        extra.append(onnx.numpy_helper.from_array(np.asarray([1], dtype=np.int64), "axes"))
+    elif op != "MaxPool":
+        attrs["axes"] = [1]
+    node = helper.make_node(op, inputs, ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", elem, None)],
+                              [helper.make_tensor_value_info("y", elem, None)], initializer=extra)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("case", [
+    ("ReduceMax", torch.float32, 17, {"keepdims": 0}), ("ReduceMin", torch.float32, 18, {"keepdims": 1}),
+    ("ReduceMax", torch.float16, 18, {"keepdims": 0}), ("ReduceMax", torch.float64, 18, {"keepdims": 0}),
+    ("MaxPool", torch.float32, 18, {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("MaxPool", torch.float32, 18, {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "ceil_mode": 1}),
+    ("MaxPool", torch.float16, 18, {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("MaxPool", torch.float32, 18, {"kernel_shape": [2, 2], "strides": [1, 1], "dilations": [2, 2]}),
+], ids=["max_opset17", "min_keepdims", "max_fp16", "max_fp64", "pool2", "pool3_padded", "pool_fp16", "pool_dilated"])
+def test_nan_in_max_pass_matches_torch_per_form(case):
+    """NOTE [NaN in max]: each form of the rewrite (sum-detected, mask-detected for fp16 and dilations,
+    axes as attribute or input) gives torch's values: NaN where the window holds one, the max elsewhere,
+    +inf and -inf kept."""
+    import onnxruntime as ort
+
+    from ortmodule.passes.precision import propagate_nan_in_max
+
+    op, dtype, opset, attrs = case
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 8, 8, generator=g).to(dtype)
+    x[0, 1, 2, 3] = float("nan")
+    x[1, 2, 0, 0], x[1, 3, 5, 5] = float("inf"), float("-inf")
+    x[2, :, 4:6, 4:6] = float("-inf")
+    model = ir.from_proto(_max_graph(op, dtype, opset, **attrs))
+    assert propagate_nan_in_max(model.graph) == 1
+    sess = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(sess.run(None, {"x": x.numpy()})[0])
+    if op == "MaxPool":
+        k, s = attrs["kernel_shape"][0], attrs["strides"][0]
+        want = F.max_pool2d(x.float(), k, s, padding=attrs.get("pads", [0])[0], dilation=attrs.get("dilations", [1])[0],
+                            ceil_mode=bool(attrs.get("ceil_mode", 0))).to(dtype)
+        lowest = want == float("-inf")  # a window of only -inf: some of ORT's MaxPool kernels give the lowest float
+        assert ((got[lowest] == float("-inf")) | (got[lowest] == torch.finfo(dtype).min)).all()
+        got = torch.where(lowest, want, got)
+    else:
+        fn = torch.amax if op == "ReduceMax" else torch.amin
+        want = fn(x, dim=1, keepdim=bool(attrs["keepdims"]))
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])

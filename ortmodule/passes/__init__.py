@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from .control_flow import inline_constant_ifs
-from .precision import precise_double_kernels, precise_sigmoid, stable_logs
+from .precision import precise_double_kernels, precise_sigmoid, propagate_nan_in_max, stable_logs
 from .proto import node_attrs
 from .rows import select_rows_early
 
@@ -169,7 +169,8 @@ def pool_before_relu(graph: ir.Graph) -> int:
 
 
 FORWARD_PASSES = (inline_constant_ifs, stable_logs, precise_sigmoid, precise_double_kernels, drop_noop_casts,
-                  select_rows_early, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu)
+                  select_rows_early, keep_layer_norm_stats, batch_stats_batch_norm, pool_before_relu,
+                  propagate_nan_in_max)
 
 
 def score_ranks(nodes) -> dict[str, int]:
@@ -217,7 +218,7 @@ def run_forward_passes(graph: ir.Graph) -> int:
 
 # The forward passes that keep a graph's outputs as they are (keep_layer_norm_stats adds outputs).
 INFERENCE_PASSES = (stable_logs, precise_sigmoid, precise_double_kernels, drop_noop_casts, select_rows_early,
-                    batch_stats_batch_norm, pool_before_relu)
+                    batch_stats_batch_norm, pool_before_relu, propagate_nan_in_max)
 
 
 def optimize_inference(model: onnx.ModelProto) -> onnx.ModelProto:
