@@ -113,6 +113,23 @@ def _no_gc_pauses() -> Iterator[None]:
 
 _CHANGES_WARNED = 3
 
+# NOTE [functorch transforms]: torch.func's grad / vmap / jacrev / jvp wrap the tensors and run the
+# forward at a transform level; the ORT graph behind an autograd.Function cannot be seen through
+# (torch raised "must override the setup_context staticmethod", which names no cause). Such a call runs
+# the eager forward, which the transforms can trace, with one fallback warning; plain calls keep
+# running in ORT. ``torch.func.functional_call`` alone is no transform: it swaps the parameters, which
+# the module guard sees (NOTE [module guards]).
+_FUNCTORCH = ("a torch.func transform (grad, vmap, jacrev, jvp, ...) is active: it cannot see through the "
+              "ONNX Runtime graph, so this call runs the eager forward (plain calls stay in ORT)")
+
+
+def _functorch_level() -> int | None:
+    """The current torch.func transform level, or None outside any transform."""
+    try:
+        return torch._C._functorch.maybe_current_level()
+    except AttributeError:  # a torch without functorch's C bindings
+        return None
+
 
 def _put_back_tensors(tensors: list, saved: list) -> list[str]:
     """Undo the trace's in-place writes into plain tensor attributes; return their paths."""
@@ -323,6 +340,9 @@ class ORTModule(nn.Module):
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if _functorch_level() is not None:  # NOTE [functorch transforms]
+            self._fall_back(ExportError(_FUNCTORCH))
+            return module(*args, **kwargs)
         flat = flatten_inputs(args, kwargs)
         with self._lock:
             # Read under the lock: torch.export puts fake tensors in the module's parameters while

@@ -12,6 +12,8 @@ from torch import nn
 
 from ortmodule import ORTModule
 
+from .helpers import assert_close
+
 
 class ReadsItem(nn.Module):
     def __init__(self) -> None:
@@ -111,3 +113,32 @@ def test_sparse_embedding_falls_back_naming_it_and_keeps_its_sparse_gradient():
     assert wrapped.module.emb.weight.grad.is_sparse
     assert torch.allclose(wrapped.module.emb.weight, eager.emb.weight, rtol=1e-5, atol=1e-6)
     assert torch.allclose(wrapped.module.out.weight.grad, eager.out.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_func_transforms_run_eagerly_and_match():
+    """NOTE [functorch transforms]: torch.func.grad of functional_call, vmap and jacrev through the
+    wrapper give eager's numbers (the call runs eagerly, one warning); plain calls stay in ORT."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(32, 8)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def per_sample_grads(m):
+        loss = lambda p, xi: torch.func.functional_call(m, p, (xi[None],)).pow(2).sum()  # noqa: E731
+        return torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        got = per_sample_grads(wrapped)
+    want = per_sample_grads(model)
+    for k in want:
+        assert_close(got[k], want[k], 1e-6, f"per-sample grad of {k}")
+    jac = [torch.func.jacrev(m)(x[:3]) for m in (wrapped, model)]
+    assert_close(jac[0], jac[1], 1e-6, "jacrev")
+    fallbacks = wrapped.stats.fallbacks
+    for m in (wrapped, model):  # a plain step afterwards runs in ORT, at eager's numbers
+        m.zero_grad()
+        m(x).pow(2).sum().backward()
+    assert wrapped.stats.fallbacks == fallbacks and wrapped.stats.exports >= 1
+    for (name, pe), (_, po) in zip(model.named_parameters(), wrapped.named_parameters()):
+        assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad after the transforms")
