@@ -589,6 +589,13 @@ class OnnxModule(nn.Module):
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from .module import _functorch_level
+
+        if _functorch_level() is not None:  # NOTE [functorch transforms]: no eager forward to run instead
+            raise ORTModuleError(
+                "OnnxModule cannot run under a torch.func transform (grad, vmap, jacrev, jvp, ...): the ONNX "
+                "Runtime graph cannot be seen through. Take per-sample gradients with a loop over the samples, "
+                "or differentiate with torch.autograd.grad outside the transform")
         inputs = self._bind(args, kwargs)
         owned = self._owned_tensors()
         device = owned[0].device if owned else (inputs[0].device if inputs else torch.device("cpu"))

@@ -1141,3 +1141,17 @@ def test_folded_masks_stay_buffers_and_zero_initialised_weights_train():
     assert all(p.grad is not None for p in om.parameters())
     assert sorted(om.onnx_names[n] for n, _ in OnnxModule(file, trainable=["w", "zero_mask"]).named_parameters()) \
         == ["w", "zero_mask"]
+
+
+def test_torch_func_transform_raises_naming_it_and_the_module_keeps_working():
+    """NOTE [functorch transforms]: OnnxModule has no eager forward to run instead, so a torch.func
+    transform gets an error that names it (torch's named no cause), and plain calls keep working."""
+    from ortmodule import ORTModuleError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    om = OnnxModule(_export(model, torch.randn(3, 4)))
+    x = torch.randn(5, 4)
+    with pytest.raises(ORTModuleError, match="torch.func transform"):
+        torch.vmap(om)(x[:, None])
+    assert_close(om(x), model(x), 1e-6, "a plain call after the error")
