@@ -25,6 +25,7 @@ from .export.draws import python_random_watch
 from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
+from .export.traps import nested_fast_path_reason
 from .function import ORTFunction, write_back
 from .guards import atomic_attributes, find_change, plain_tensors, put_back_attributes, snapshot
 from .io import flatten_inputs, make_signature
@@ -425,6 +426,11 @@ class ORTModule(nn.Module):
             return out
 
         exported = entry.exported
+        if exported.nested_fast_paths:
+            why = nested_fast_path_reason(module, exported.nested_fast_paths)  # NOTE [nested fast path]
+            if why is not None:
+                self._fall_back(ExportError(why))
+                return module(*args, **kwargs)
         names = tuple(
             [input_name(i) for i in range(len(flat.tensors))]
             + [n[0] for n in param_names]

@@ -73,3 +73,61 @@ def test_multihead_attention_with_dropout_matches_eager_masks(batch_first, need_
         assert_close(outs[1], outs[0], 1e-5, "attention output")
         for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
             assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad")
+
+
+class TextClassifier(nn.Module):
+    """Token embeddings, torch's TransformerEncoder with a padding mask, mean over every position (as
+    simple classifiers write it), a linear head."""
+
+    def __init__(self, nested: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, ids):
+        h = self.enc(self.emb(ids), src_key_padding_mask=ids == 0)
+        return self.head(h.mean(1))
+
+
+def _padded_ids(n: int = 64, length: int = 24) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 100, (n, length), generator=g)
+    for i in range(n):  # right padding of different lengths (left-aligned tokens)
+        ids[i, length - (i % length):] = 0
+    return ids
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested_default", "nested_off"])
+def test_eval_with_a_padding_mask_matches_eager_nested_fast_path(nested):
+    """NOTE [nested fast path]: eager's eval-mode, no-grad TransformerEncoder pads its result with 0 at
+    the padded positions; the graph computed them, so the logits of a mean-pooling classifier were off
+    eager's by a relative error of 2.0 in evaluation, without a word. Such calls now run eagerly (one
+    warning); training, eval with gradients, and enable_nested_tensor=False stay in ORT."""
+    torch.manual_seed(0)
+    model = TextClassifier(nested)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    ids = _padded_ids()
+    for m in (eager, wrapped):  # a training step first: it runs in ORT either way
+        torch.manual_seed(1)
+        m(ids).pow(2).mean().backward()
+    assert wrapped.stats.fallbacks == 0
+    eager.eval(), wrapped.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            got, want = wrapped(ids), eager(ids)
+        assert_close(got, want, 1e-5, "eval logits under no_grad")
+        assert_close(wrapped(ids), eager(ids), 1e-5, "eval logits with grad enabled")  # no fast path in eager
+    ours = [str(w.message) for w in caught if "ORTModule" in str(w.message)]
+    if nested:
+        assert wrapped.stats.fallbacks == 1 and len(ours) == 1 and "nested tensor" in ours[0], ours
+    else:
+        assert wrapped.stats.fallbacks == 0 and not ours, ours
+    for p in (*eager.enc.parameters(), *wrapped.module.enc.parameters()):  # a frozen encoder in eval, head trained
+        p.requires_grad_(False)
+    outs = [m(ids) for m in (eager, wrapped)]
+    assert_close(outs[1], outs[0], 1e-5, "eval logits of a frozen encoder with grad enabled")

@@ -520,6 +520,7 @@ def export_program(
         guard=guard,
         source_files=traced,
         checkpoint_regions=checkpoint_paths(module, wrapper.watch.checkpoints),
+        nested_fast_paths=tuple(dict.fromkeys(wrapper.watch.nested_fast_paths)),
     )
 
 

@@ -33,6 +33,7 @@ from .traps import (
     input_write_message,
     intercept_functions,
     watch_forward_hooks,
+    watch_nested_fast_path,
 )
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class ExportedModel:
     cache_key: str | None = None
     # The module paths the forward ran under torch.utils.checkpoint (NOTE [checkpoint regions]).
     checkpoint_regions: tuple[str, ...] = ()
+    nested_fast_paths: tuple[str, ...] = ()  # NOTE [nested fast path]
 
 
 @contextlib.contextmanager
@@ -160,7 +162,7 @@ class _Flat(nn.Module):
         self.watch.watch_inputs(user, [*params, *buffers], grad_sources)
         self.watch.watch_parameters(params, [names[0] for names in self.param_names])
         self.semantics = ExportSemantics(self.watch)
-        with swap_tensors(module, swap), intercept_functions(self.watch), \
+        with swap_tensors(module, swap), intercept_functions(self.watch), watch_nested_fast_path(module, self.watch), \
                 watch_forward_hooks(module, self.watch), route_nested_dropout(self.semantics), self.semantics:
             try:
                 out = module(*args, **kwargs)
@@ -280,6 +282,7 @@ def export_module(
         shape_conditions=tuple(dict.fromkeys(str(c) for c in wrapper.watch.shape_conditional)),
         grad_mask=grad_mask(flat.tensors, params) if wrapper.watch.grad_sensitive else None,
         checkpoint_regions=checkpoint_paths(module, wrapper.watch.checkpoints),
+        nested_fast_paths=tuple(dict.fromkeys(wrapper.watch.nested_fast_paths)),
     )
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -100,6 +101,7 @@ class TraceWatch:
         self.torch_nodes = False  # a custom Function becomes a torch node (NOTE [torch nodes])
         self.checkpoints: list[object] = []  # what each torch.utils.checkpoint call ran (NOTE [checkpoint regions])
         self.random_draws = 0  # dropout masks drawn so far (a checkpoint without preserve_rng_state watches it)
+        self.nested_fast_paths: list[str] = []  # NOTE [nested fast path]: TransformerEncoders that may take it
 
     def watch_inputs(self, user: Sequence[torch.Tensor], state: Sequence[torch.Tensor],
                      grad_sources: Sequence[torch.Tensor] = ()) -> None:
@@ -294,6 +296,77 @@ def _marks_requires_grad(hook) -> bool:
     input that requires grad when they are frozen. It runs in the trace (the checkpoint trap sees
     its effect), and inside the graph gradients reach the trainable parameters without it."""
     return getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads")
+
+
+# NOTE [nested fast path]: in eval mode, with a src_key_padding_mask and no gradient to record
+# (grad disabled, or the first layer's weights and the input all frozen), ``nn.TransformerEncoder`` runs
+# its layers on a nested tensor of the unpadded tokens and pads the result with zeros: the padded
+# positions come out 0 (BERT-like mean pooling over them, or any later use, sees zeros), where the
+# regular path (the one torch.export and the TorchScript tracer take, and the one eager takes with
+# gradients) computes them. The kept positions agree to ~1e-6. Which path eager takes depends on the
+# grad mode and on requires_grad at call time, and on the mask's values (left-aligned or not), which
+# one graph cannot follow; so the trace notes the encoders whose call meets the static conditions,
+# and ORTModule runs a call eagerly (one fallback warning) when eager may take the path
+# (``nested_fast_path_reason``). Training and grad-enabled evaluation stay in ORT.
+def _why_not_nested(encoder: torch.nn.Module, src, mask, padding_mask) -> str | None:
+    """Why eager's TransformerEncoder cannot take the nested-tensor path, from what the trace can
+    see (torch's own checks, less the data-dependent mask alignment and the grad-mode one)."""
+    first = encoder.layers[0] if len(encoder.layers) else None
+    if first is None or not getattr(encoder, "use_nested_tensor", False):
+        return "use_nested_tensor is off"
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "the MHA fast path is disabled"
+    if first.training or padding_mask is None or mask is not None:
+        return "training, no padding mask, or an attention mask as well"
+    if not isinstance(src, torch.Tensor) or src.dim() != 3 or src.is_nested or torch.is_autocast_enabled():
+        return "input not a batched 3-d tensor, or autocast"
+    if src.device.type not in ("cpu", "cuda", "xpu"):
+        return "device"
+    return None
+
+
+@contextlib.contextmanager
+def watch_nested_fast_path(module: torch.nn.Module, watch: TraceWatch) -> Iterator[None]:
+    """Note which ``nn.TransformerEncoder`` of ``module`` is called the way eager's nested-tensor fast
+    path needs (NOTE [nested fast path])."""
+    paths = {id(m): name for name, m in module.named_modules() if isinstance(m, torch.nn.TransformerEncoder)}
+    if not paths:
+        yield
+        return
+    cls = torch.nn.TransformerEncoder
+    original = cls.forward
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        if id(self) in paths:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            if _why_not_nested(self, a["src"], a["mask"], a["src_key_padding_mask"]) is None:
+                watch.nested_fast_paths.append(paths[id(self)])
+        return original(self, *args, **kwargs)
+
+    cls.forward = forward
+    try:
+        yield
+    finally:
+        cls.forward = original
+
+
+def nested_fast_path_reason(module: torch.nn.Module, paths: Sequence[str]) -> str | None:
+    """Why this call must run eagerly (NOTE [nested fast path]): an encoder the trace noted, whose first
+    layer has no weight requiring grad where it matters (grad disabled, or all frozen); None otherwise."""
+    for path in paths:
+        try:
+            first = module.get_submodule(path).layers[0]
+        except (AttributeError, IndexError):
+            continue
+        if torch.is_grad_enabled() and any(p.requires_grad for p in first.parameters()):
+            continue
+        return (f"nn.TransformerEncoder {path or '<top>'!r} runs on a nested tensor in eager here (eval mode, a "
+                "padding mask, no gradient to record), which gives 0 at the padded positions; the graph "
+                "computes them, so this call runs eagerly (set enable_nested_tensor=False to run it in ORT)")
+    return None
 
 
 @contextlib.contextmanager
