@@ -560,6 +560,29 @@ def test_ops_torch_onnx_cannot_translate_run_as_torch_nodes():
     assert all("torch.onnx cannot translate" in t.reason for t in report.torch_nodes), report
 
 
+class Probit(nn.Module):
+    """A probit link (inverse normal CDF through erfinv), as Gaussian-copula and inverse-CDF sampling
+    code writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return 2 ** 0.5 * torch.erfinv(2 * torch.sigmoid(self.lin(x)) * 0.998 - 0.999)
+
+
+def test_erfinv_runs_as_a_torch_node():
+    """torchlib has no erfinv and its decomposition is a prim nothing translates: the model fell back."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(512, 16, generator=g), torch.randn(512, 16, generator=g)) for _ in range(3)]
+    om = train_side_by_side(Probit(), batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=2e-5,
+                            kwargs_fn=lambda b: {"x": b[0]})
+    assert om.stats.fallbacks == 0, om.stats.last_fallback_reason
+    assert om.stats.torch_nodes == 1
+
+
 class ScaleInPlace(torch.autograd.Function):
     """A Function that writes its input in place and says so (``ctx.mark_dirty``), as memory-saving
     activations do."""

@@ -153,6 +153,9 @@ _AS_TORCH = {
     "atan2": lambda node: "atan2's ONNX form has NaN gradients at (0, 0)",
     "sinc": lambda node: "sinc's ONNX form has NaN gradients at 0",
     **dict.fromkeys(("erfc", "special_erfc", "special_erfcx", "special_ndtr", "special_log_ndtr"), _tail),
+    # torchlib has no erfinv, and its decomposition is a prim (``prims.erf_inv``) that nothing translates
+    # either: the model fell back (probit links, Gaussian copulas, inverse-CDF sampling)
+    **dict.fromkeys(("erfinv", "special_erfinv"), lambda node: "torch.onnx has no translation of erfinv"),
     "avg_pool2d": lambda node: ("torchlib ignores avg_pool2d's divisor_override"
                                 if (node.args[6] if len(node.args) > 6 else node.kwargs.get("divisor_override"))
                                 is not None else None),
