@@ -329,7 +329,7 @@ def propagate_nan_in_max(graph: ir.Graph) -> int:
             continue
         if any(u.node.op_type == "Add" and u.node.name.endswith("/nan") for u in y.uses()):
             continue  # done already
-        new = _Emitter(node.name or node.op_type, dict(node.metadata_props))
+        new = _Emitter(node.name or f"{node.op_type}_{changed}", dict(node.metadata_props))  # unnamed: numbered
         held = _nan_in_window(node, x, y, new)
         nan, minus_zero = (new("Constant", [], [ir.AttrTensor("value", ir.tensor(np.full((), v, x.dtype.numpy())))],
                                x.dtype, ir.Shape([])) for v in (np.nan, -0.0))
