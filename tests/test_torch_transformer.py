@@ -131,3 +131,11 @@ def test_eval_with_a_padding_mask_matches_eager_nested_fast_path(nested):
         p.requires_grad_(False)
     outs = [m(ids) for m in (eager, wrapped)]
     assert_close(outs[1], outs[0], 1e-5, "eval logits of a frozen encoder with grad enabled")
+    fallbacks = wrapped.stats.fallbacks
+    torch.backends.mha.set_fastpath_enabled(False)  # the switch is read per call: eager's regular path, in ORT
+    try:
+        with torch.no_grad():
+            assert_close(wrapped(ids), eager(ids), 1e-5, "eval logits with the MHA fast path off")
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert wrapped.stats.fallbacks == fallbacks

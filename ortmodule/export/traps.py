@@ -310,12 +310,11 @@ def _marks_requires_grad(hook) -> bool:
 # (``nested_fast_path_reason``). Training and grad-enabled evaluation stay in ORT.
 def _why_not_nested(encoder: torch.nn.Module, src, mask, padding_mask) -> str | None:
     """Why eager's TransformerEncoder cannot take the nested-tensor path, from what the trace can
-    see (torch's own checks, less the data-dependent mask alignment and the grad-mode one)."""
+    see (torch's own checks, less the data-dependent mask alignment, and the grad-mode and
+    ``torch.backends.mha`` switches, which the call reads: ``nested_fast_path_reason``)."""
     first = encoder.layers[0] if len(encoder.layers) else None
     if first is None or not getattr(encoder, "use_nested_tensor", False):
         return "use_nested_tensor is off"
-    if not torch.backends.mha.get_fastpath_enabled():
-        return "the MHA fast path is disabled"
     if first.training or padding_mask is None or mask is not None:
         return "training, no padding mask, or an attention mask as well"
     if not isinstance(src, torch.Tensor) or src.dim() != 3 or src.is_nested or torch.is_autocast_enabled():
@@ -339,11 +338,15 @@ def watch_nested_fast_path(module: torch.nn.Module, watch: TraceWatch) -> Iterat
 
     def forward(self, *args, **kwargs):
         if id(self) in paths:
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            if _why_not_nested(self, a["src"], a["mask"], a["src_key_padding_mask"]) is None:
-                watch.nested_fast_paths.append(paths[id(self)])
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError:  # not torch's signature: let the original forward say so
+                bound = None
+            if bound is not None:
+                bound.apply_defaults()
+                a = bound.arguments
+                if _why_not_nested(self, a.get("src"), a.get("mask"), a.get("src_key_padding_mask")) is None:
+                    watch.nested_fast_paths.append(paths[id(self)])
         return original(self, *args, **kwargs)
 
     cls.forward = forward
@@ -356,6 +359,8 @@ def watch_nested_fast_path(module: torch.nn.Module, watch: TraceWatch) -> Iterat
 def nested_fast_path_reason(module: torch.nn.Module, paths: Sequence[str]) -> str | None:
     """Why this call must run eagerly (NOTE [nested fast path]): an encoder the trace noted, whose first
     layer has no weight requiring grad where it matters (grad disabled, or all frozen); None otherwise."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return None
     for path in paths:
         try:
             first = module.get_submodule(path).layers[0]
