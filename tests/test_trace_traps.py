@@ -290,6 +290,58 @@ def test_integer_floor_division_floors_negative_values():
     _compare(FloorDiv(), [(counts,), (counts.flip(0) * 3,)])
 
 
+class Bucketed(nn.Module):
+    """A learned value bucketed by ``//`` or a step function: torch has no derivative for either."""
+
+    FORMS = {
+        "floor_divide": lambda h: torch.floor_divide(h, 0.3),
+        "slash_slash": lambda h: h // 0.3,
+        "heaviside": lambda h: torch.heaviside(h, torch.tensor(0.5)),
+        "detached": lambda h: (h.detach() * 2) // 0.3,  # no gradient asked for: runs in ORT
+        "of_the_input": lambda h: h * 0,  # replaced below: x // 0.3 scales h
+    }
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.form = form
+
+    def forward(self, x):
+        h = self.lin(x)
+        q = (x // 0.3) * h if self.form == "of_the_input" else self.FORMS[self.form](h)
+        return q + self.lin2(x)
+
+
+@pytest.mark.parametrize("form", sorted(Bucketed.FORMS))
+def test_ops_without_a_derivative_raise_at_backward_like_eager(form):
+    """NOTE [no derivative]: eager's backward raises "derivative for aten::floor_divide is not implemented"
+    (heaviside alike); ORT gave zeros (floor_divide) or None (heaviside) and trained on. The capture now
+    refuses them where a gradient is asked for, so eager runs and raises its own error; where none is
+    (a detached value, the input), they stay in ORT at eager's numbers."""
+    torch.manual_seed(0)
+    eager, wrapped = Bucketed(form), ORTModule(Bucketed(form))
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(64, 8)
+    raises = form in ("floor_divide", "slash_slash", "heaviside")
+    if raises:
+        with pytest.raises(RuntimeError, match="derivative for aten::.* is not implemented"):
+            eager(x).pow(2).sum().backward()
+        if not TORCH_EXPORT:
+            return  # the TorchScript trace's copies do not require grad: it cannot tell (zeros, as before)
+        with pytest.warns(UserWarning, match="no derivative for it"):
+            out = wrapped(x)
+        with pytest.raises(RuntimeError, match="derivative for aten::.* is not implemented"):
+            out.pow(2).sum().backward()
+        return
+    for m in (eager, wrapped):
+        m(x).pow(2).sum().backward()
+    assert wrapped.stats.fallbacks == 0
+    for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+        assert (po.grad is None) == (pe.grad is None), name  # detached: lin gets none, as in eager
+        if pe.grad is not None:
+            assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad")
+
+
 # -- inputs mutated in place --------------------------------------------------------------------------------
 
 

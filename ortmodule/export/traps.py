@@ -474,6 +474,15 @@ def rewrite(func, args, kwargs):
     """The exact formulation of an op the exporter gets wrong, or ``NOT_REWRITTEN``."""
     if func in _GRAD_HOOKS:  # a failure recorded by on_call; in the trace there is nothing to hook
         return None if func is torch.Tensor.retain_grad else _NoHandle()
+    if func in _NO_DERIVATIVE and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and _requires_grad_in_eager(t) for t in (*args, *kwargs.values())):
+        # NOTE [no derivative]: eager's backward raises "derivative for aten::floor_divide is not
+        # implemented" (heaviside alike); the graph would give zeros or None without a word
+        name = getattr(func, "__name__", str(func)).strip("_").replace("rfloordiv", "floordiv")
+        raise UnsupportedTrace(
+            f"{name} at {user_location()} gets a tensor that requires grad, and torch has no derivative for it "
+            "(eager's backward raises): compute it under torch.no_grad() or on .detach()ed values, or write the "
+            "gradient you mean (a straight-through estimator: x + (f(x) - x).detach())")
     if func in _FLOOR_DIVIDE:
         a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
         if func in (torch.Tensor.__rfloordiv__,):
@@ -508,6 +517,27 @@ def rewrite(func, args, kwargs):
 
 _FLOOR_DIVIDE = {torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.floor_divide_,
                  torch.Tensor.__floordiv__, torch.Tensor.__rfloordiv__, torch.Tensor.__ifloordiv__}
+def _requires_grad_in_eager(t: torch.Tensor) -> bool:
+    """Whether ``t`` requires grad in eager: in the trace, ``.detach()`` and no_grad results are
+    ortmodule's stop_gradient op (NOTE [stop gradient]), whose output still requires grad there; a
+    path to a leaf that avoids them is eager's requires_grad."""
+    if not t.requires_grad:
+        return False
+    stack, seen = [t.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+        if fn.name() == "torch::autograd::WarnNotImplemented":  # the stop_gradient op: no autograd of its own
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return t.grad_fn is None  # a leaf that requires grad
+
+
+_NO_DERIVATIVE = _FLOOR_DIVIDE | {torch.heaviside, torch.Tensor.heaviside, torch.Tensor.heaviside_}
 _INDEX_ADD = {torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_}
 _INDEX_PUT = {torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_}
 
