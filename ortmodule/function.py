@@ -37,6 +37,15 @@ def write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tenso
             buf.copy_(new)
 
 
+
+def functorch_level() -> int | None:
+    """The current torch.func transform level, or None outside any transform (NOTE [functorch transforms]
+    in module.py: the Function below cannot be seen through by them)."""
+    try:
+        return torch._C._functorch.maybe_current_level()
+    except AttributeError:  # a torch without functorch's C bindings
+        return None
+
 class ORTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry: CompiledEntry, names: tuple[str, ...], mutated: tuple, *tensors: torch.Tensor):

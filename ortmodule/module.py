@@ -26,7 +26,7 @@ from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .export.traps import nested_fast_path_reason
-from .function import ORTFunction, write_back
+from .function import ORTFunction, functorch_level, write_back
 from .guards import atomic_attributes, find_change, plain_tensors, put_back_attributes, snapshot
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
@@ -123,13 +123,6 @@ _CHANGES_WARNED = 3
 _FUNCTORCH = ("a torch.func transform (grad, vmap, jacrev, jvp, ...) is active: it cannot see through the "
               "ONNX Runtime graph, so this call runs the eager forward (plain calls stay in ORT)")
 
-
-def _functorch_level() -> int | None:
-    """The current torch.func transform level, or None outside any transform."""
-    try:
-        return torch._C._functorch.maybe_current_level()
-    except AttributeError:  # a torch without functorch's C bindings
-        return None
 
 
 def _put_back_tensors(tensors: list, saved: list) -> list[str]:
@@ -341,7 +334,7 @@ class ORTModule(nn.Module):
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if _functorch_level() is not None:  # NOTE [functorch transforms]
+        if functorch_level() is not None:  # NOTE [functorch transforms]
             self._fall_back(ExportError(_FUNCTORCH))
             return module(*args, **kwargs)
         flat = flatten_inputs(args, kwargs)

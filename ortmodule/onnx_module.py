@@ -33,7 +33,7 @@ from .autodiff import differentiable_values
 from .autodiff.registry import lookup, refusal
 from .errors import GradientRuleError, ORTModuleError
 from .export import ExportedModel
-from .function import ORTFunction, write_back
+from .function import ORTFunction, functorch_level, write_back
 from .io import OutputSpec, flatten_outputs
 from .runtime.cache import LRUCache
 from .runtime.entry import CompiledEntry
@@ -589,9 +589,7 @@ class OnnxModule(nn.Module):
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from .module import _functorch_level
-
-        if _functorch_level() is not None:  # NOTE [functorch transforms]: no eager forward to run instead
+        if functorch_level() is not None:  # NOTE [functorch transforms]: no eager forward to run instead
             raise ORTModuleError(
                 "OnnxModule cannot run under a torch.func transform (grad, vmap, jacrev, jvp, ...): the ONNX "
                 "Runtime graph cannot be seen through. Take per-sample gradients with a loop over the samples, "

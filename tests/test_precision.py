@@ -7,15 +7,18 @@ import copy
 import io
 import warnings
 
+import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from onnx import TensorProto, helper
 from torch import nn
 
 from ortmodule import OnnxModule, ORTModule
-from ortmodule.passes.precision import PRECISE_KEY, lower_precise, precise_sigmoid
+from ortmodule.passes.precision import PRECISE_KEY, lower_precise, precise_sigmoid, propagate_nan_in_max
 from tests.helpers import assert_close, train_side_by_side
 
 
@@ -126,7 +129,6 @@ def test_marks_reach_through_value_keeping_ops_and_lower_to_exact_values():
     lowered = lower_precise(model)
     assert not [n for n in lowered.graph.node if n.op_type == "Sigmoid"]
     assert [n for n in model.graph.node if n.op_type == "Sigmoid"]  # the input model is unchanged
-    import onnxruntime as ort
 
     s = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
     x = torch.linspace(-100, 30, 32).reshape(4, 8)
@@ -340,9 +342,6 @@ def test_nan_in_a_max_window_propagates_like_eager(grad):
 
 
 def _max_graph(op: str, dtype, opset: int, **attrs):
-    import numpy as np
-    from onnx import TensorProto, helper
-
     elem = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
             torch.float64: TensorProto.DOUBLE}[dtype]
     inputs, extra = ["x"], []
@@ -369,10 +368,6 @@ def test_nan_in_max_pass_matches_torch_per_form(case):
     """NOTE [NaN in max]: each form of the rewrite (sum-detected, mask-detected for fp16 and dilations,
     axes as attribute or input) gives torch's values: NaN where the window holds one, the max elsewhere,
     +inf and -inf kept."""
-    import onnxruntime as ort
-
-    from ortmodule.passes.precision import propagate_nan_in_max
-
     op, dtype, opset, attrs = case
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, 8, 8, generator=g).to(dtype)

@@ -308,20 +308,15 @@ def _marks_requires_grad(hook) -> bool:
 # one graph cannot follow; so the trace notes the encoders whose call meets the static conditions,
 # and ORTModule runs a call eagerly (one fallback warning) when eager may take the path
 # (``nested_fast_path_reason``). Training and grad-enabled evaluation stay in ORT.
-def _why_not_nested(encoder: torch.nn.Module, src, mask, padding_mask) -> str | None:
-    """Why eager's TransformerEncoder cannot take the nested-tensor path, from what the trace can
-    see (torch's own checks, less the data-dependent mask alignment, and the grad-mode and
+def _may_take_nested_path(encoder: torch.nn.Module, src, mask, padding_mask) -> bool:
+    """Whether eager's TransformerEncoder may take the nested-tensor path, from what the trace can see
+    (torch's own checks, less the data-dependent mask alignment, and the grad-mode and
     ``torch.backends.mha`` switches, which the call reads: ``nested_fast_path_reason``)."""
     first = encoder.layers[0] if len(encoder.layers) else None
-    if first is None or not getattr(encoder, "use_nested_tensor", False):
-        return "use_nested_tensor is off"
-    if first.training or padding_mask is None or mask is not None:
-        return "training, no padding mask, or an attention mask as well"
-    if not isinstance(src, torch.Tensor) or src.dim() != 3 or src.is_nested or torch.is_autocast_enabled():
-        return "input not a batched 3-d tensor, or autocast"
-    if src.device.type not in ("cpu", "cuda", "xpu"):
-        return "device"
-    return None
+    return (first is not None and getattr(encoder, "use_nested_tensor", False) and not first.training
+            and padding_mask is not None and mask is None and isinstance(src, torch.Tensor) and src.dim() == 3
+            and not src.is_nested and not torch.is_autocast_enabled()
+            and src.device.type in ("cpu", "cuda", "xpu"))
 
 
 @contextlib.contextmanager
@@ -345,7 +340,7 @@ def watch_nested_fast_path(module: torch.nn.Module, watch: TraceWatch) -> Iterat
             if bound is not None:
                 bound.apply_defaults()
                 a = bound.arguments
-                if _why_not_nested(self, a.get("src"), a.get("mask"), a.get("src_key_padding_mask")) is None:
+                if _may_take_nested_path(self, a.get("src"), a.get("mask"), a.get("src_key_padding_mask")):
                     watch.nested_fast_paths.append(paths[id(self)])
         return original(self, *args, **kwargs)
 
@@ -470,6 +465,26 @@ def _index_put(self_: torch.Tensor, indices, values: torch.Tensor) -> torch.Tens
     return _index_add(flat, 0, flat_idx, vals).reshape(self_.shape)
 
 
+def _requires_grad_in_eager(t: torch.Tensor) -> bool:
+    """Whether ``t`` requires grad in eager: in the trace, ``.detach()`` and no_grad results are
+    ortmodule's stop_gradient op (NOTE [stop gradient]), whose output still requires grad there; a
+    path to a leaf that avoids them is eager's requires_grad."""
+    if not t.requires_grad:
+        return False
+    stack, seen = [t.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+        if fn.name() == "torch::autograd::WarnNotImplemented":  # the stop_gradient op: no autograd of its own
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return t.grad_fn is None  # a leaf that requires grad
+
+
 def rewrite(func, args, kwargs):
     """The exact formulation of an op the exporter gets wrong, or ``NOT_REWRITTEN``."""
     if func in _GRAD_HOOKS:  # a failure recorded by on_call; in the trace there is nothing to hook
@@ -517,26 +532,6 @@ def rewrite(func, args, kwargs):
 
 _FLOOR_DIVIDE = {torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.floor_divide_,
                  torch.Tensor.__floordiv__, torch.Tensor.__rfloordiv__, torch.Tensor.__ifloordiv__}
-def _requires_grad_in_eager(t: torch.Tensor) -> bool:
-    """Whether ``t`` requires grad in eager: in the trace, ``.detach()`` and no_grad results are
-    ortmodule's stop_gradient op (NOTE [stop gradient]), whose output still requires grad there; a
-    path to a leaf that avoids them is eager's requires_grad."""
-    if not t.requires_grad:
-        return False
-    stack, seen = [t.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if type(fn).__name__ == "AccumulateGrad":
-            return True
-        if fn.name() == "torch::autograd::WarnNotImplemented":  # the stop_gradient op: no autograd of its own
-            continue
-        stack.extend(f for f, _ in fn.next_functions)
-    return t.grad_fn is None  # a leaf that requires grad
-
-
 _NO_DERIVATIVE = _FLOOR_DIVIDE | {torch.heaviside, torch.Tensor.heaviside, torch.Tensor.heaviside_}
 _INDEX_ADD = {torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_}
 _INDEX_PUT = {torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_}
