@@ -211,6 +211,53 @@ def test_label_smoothing_trains_like_eager(reduction, weighted, spatial):
     assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports == 2
 
 
+class SoftTargetLoss(nn.Module):
+    """Mixup / cutmix / distillation: cross-entropy against class probabilities (NOTE [soft targets])."""
+
+    def __init__(self, reduction: str, weighted: bool, spatial: bool, smoothing: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Conv2d(8, 5, 1) if spatial else nn.Linear(8, 5)
+        weight = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25]) if weighted else None
+        self.loss = nn.CrossEntropyLoss(weight=weight, reduction=reduction, label_smoothing=smoothing)
+
+    def forward(self, x, probs):
+        return self.loss(self.head(x), probs)
+
+
+@pytest.mark.filterwarnings("error")  # no fallback warning: the loss runs in the graph
+@pytest.mark.parametrize("spatial", [False, True], ids=["rows", "pixels"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["sharp", "smoothed"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_soft_target_cross_entropy_trains_like_eager(reduction, smoothing, weighted, spatial):
+    """Before, torchlib's NegativeLogLikelihoodLoss refused a float target and the model fell back."""
+    model = SoftTargetLoss(reduction, weighted, spatial, smoothing)
+    eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
+    lr = 0.1 if reduction == "mean" else 1e-4  # a summed loss over thousands of rows: small steps
+    opt_e, opt_o = (torch.optim.SGD(m.parameters(), lr=lr) for m in (eager, wrapped))
+    g = torch.Generator().manual_seed(1)
+    for step, n in enumerate([4096, 4096, 3000]):
+        if spatial:
+            n //= 64
+        x = torch.randn(n, 8, 4, 4, generator=g) if spatial else torch.randn(n, 8, generator=g)
+        logits = torch.randn(n, 5, 4, 4, generator=g) if spatial else torch.randn(n, 5, generator=g)
+        teacher = (3 * logits).requires_grad_()  # distillation: the target's gradient too
+        for m, opt in ((eager, opt_e), (wrapped, opt_o)):
+            opt.zero_grad()
+            teacher.grad = None
+            m.out = m(x, teacher.softmax(1))
+            (m.out.square().sum() if reduction == "none" else m.out).backward()
+            m.teacher_grad = teacher.grad.clone()
+        assert_close(wrapped.out, eager.out, 1e-5, f"loss at step {step}")
+        assert_close(wrapped.teacher_grad, eager.teacher_grad, 1e-5, f"target's grad at step {step}")
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po.grad, pe.grad, 1e-4, f"{name}.grad at step {step}")  # sums that cancel
+        opt_e.step()
+        opt_o.step()
+    assert wrapped.stats.fallbacks == 0
+
+
 class ChannelDropoutNet(nn.Module):
     """What U-Nets and temporal CNNs use: whole channels dropped (Dropout1d/2d/3d), and the inputs eager
     reads in its own ways (a 3-D input to dropout2d, an unbatched one to dropout3d)."""

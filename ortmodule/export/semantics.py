@@ -217,6 +217,33 @@ def smoothed_cross_entropy(input, target, weight, ignore_index: int, reduction: 
     return (1.0 - smoothing) * nll + smooth * (smoothing / input.shape[class_dim])
 
 
+def soft_target_cross_entropy(input, target, weight, reduction: str, smoothing: float):
+    """``F.cross_entropy`` with class-probability targets (distillation, mixup / cutmix), from ops that export.
+
+    # NOTE [soft targets]: torchlib translates every cross_entropy to NegativeLogLikelihoodLoss, which
+    # takes class indices only: onnxruntime refused a float target and the whole model fell back to
+    # eager. Torch computes ``-(log_softmax(input) * target' * weight).sum(class_dim)`` with
+    # ``target' = target * (1 - e) + e / C``; ``mean`` divides the total by the number of rows
+    # (``numel / C``, not by the weights as class-index targets do), and ``ignore_index`` does not apply.
+    """
+    class_dim = 0 if input.dim() == 1 else 1
+    n_classes = input.shape[class_dim]
+    logp = F.log_softmax(input, class_dim)
+    if smoothing > 0.0:
+        target = target * (1.0 - smoothing) + smoothing / n_classes
+    terms = logp * target
+    if weight is not None:
+        shape = [1] * logp.dim()
+        shape[class_dim] = n_classes
+        terms = terms * weight.view(shape)
+    if reduction == "none":
+        return -terms.sum(class_dim)
+    total = -terms.sum()
+    if reduction == "sum":
+        return total
+    return total / (input.numel() // n_classes)
+
+
 def _sdpa_args(args, kwargs):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -656,6 +683,10 @@ class _Base(TorchFunctionMode):
                     and b["reduce"] is None):
                 return smoothed_cross_entropy(b["input"], b["target"], b["weight"], b["ignore_index"],
                                               b["reduction"], float(b["label_smoothing"]))
+            if (isinstance(b["target"], torch.Tensor) and b["target"].is_floating_point()
+                    and b["size_average"] is None and b["reduce"] is None and b["input"].numel() > 0):
+                return soft_target_cross_entropy(b["input"], b["target"], b["weight"], b["reduction"],
+                                                 float(b["label_smoothing"]))
         if func in (torch.Tensor.detach, torch.detach):
             return stop_gradient(args[0])
         if func in _LOGADDEXP and len(args) == 2 and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
