@@ -649,6 +649,10 @@ class _Base(TorchFunctionMode):
                 return out
         if func in RANDOM_FUNCS and self.watch is not None and not inside_call():
             return random_call(self, func, args, kwargs)  # NOTE [random draws]
+        if func in _VF_RNNS and not inside_call():
+            out = self.rnn_dropout_call(func, args, kwargs)
+            if out is not NOT_REWRITTEN:
+                return out
         if func is _F_DROPOUT:
             return self.dropout_call(args, kwargs)
         if func in _FEATURE_DROPOUTS:
@@ -802,6 +806,39 @@ class _Base(TorchFunctionMode):
             return self.dropout(x, p)
         return x
 
+    def rnn_dropout_call(self, func, args, kwargs):
+        """NOTE [rnn dropout]: a multi-layer LSTM / GRU / RNN with ``dropout`` in training draws a mask
+        between its layers inside torch's kernel (``at::dropout`` on each layer's [T, B, H * dirs]
+        output but the last's), a draw no torch node may make (it would move in the stream against the
+        masks drawn before the run) and no ONNX op makes as eager does: the model fell back. Written
+        out as the kernel runs it: one single-layer call per layer (each a torch node, NOTE [as
+        torch]), with our dropout, drawn in eager order, between them; seq-first inside as the kernel
+        is, so each mask covers the layer's output in the kernel's memory order."""
+        names = ("input", "hx", "params", "has_biases", "num_layers", "dropout", "train", "bidirectional",
+                 "batch_first")
+        if len(args) != len(names) or kwargs or not isinstance(args[2], (list, tuple)):
+            return NOT_REWRITTEN  # the packed-sequence overload (data, batch_sizes, ...)
+        b = dict(zip(names, args))
+        p, layers = float(b["dropout"]), int(b["num_layers"])
+        if not b["train"] or p <= 0.0:
+            return NOT_REWRITTEN
+        dirs = 2 if b["bidirectional"] else 1
+        params = list(b["params"])
+        per_layer = len(params) // layers
+        lstm = isinstance(b["hx"], (list, tuple))
+        x = b["input"].transpose(0, 1) if b["batch_first"] else b["input"]
+        finals: list[list[torch.Tensor]] = []
+        for layer in range(layers):
+            rows = slice(layer * dirs, (layer + 1) * dirs)
+            hx = tuple(h[rows] for h in b["hx"]) if lstm else b["hx"][rows]
+            out, *final = func(x, hx, params[layer * per_layer:(layer + 1) * per_layer], b["has_biases"], 1, 0.0,
+                               True, b["bidirectional"], False)
+            finals.append(final)
+            x = self.dropout(out, p) if layer < layers - 1 else out
+        if b["batch_first"]:
+            x = x.transpose(0, 1)
+        return (x, *(torch.cat([f[i] for f in finals], 0) for i in range(len(finals[0]))))
+
     def feature_dropout_call(self, func, args, kwargs):
         """NOTE [feature dropout]: F.dropout1d/2d/3d zero whole channels: eager draws a [N, C, 1, ...]
         mask (``[C, 1, ...]`` for an input it reads as unbatched), the same call as our masks, so it is
@@ -834,6 +871,7 @@ class _Base(TorchFunctionMode):
 # to routers that send a call from the tracing thread to its ExportSemantics, so those masks are
 # graph inputs drawn by torch in eager order like every other (NOTE [dropout masks]).
 _F_DROPOUT = F.dropout
+_VF_RNNS = frozenset({torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu})
 _F_SDPA = F.scaled_dot_product_attention
 _local = threading.local()
 _routing = threading.Lock()
