@@ -341,17 +341,6 @@ def test_a_recurrent_net_serves_a_new_batch_with_the_same_graph():
     assert om.stats.fallbacks == 0 and om.stats.exports == 3
 
 
-def test_a_recurrent_net_with_dropout_between_layers_falls_back_naming_the_op():
-    """Its dropout would draw from torch's generator inside the run, after the graph's own masks were
-    drawn: not eager's order, so it is not a torch node; the missing rule falls back, loudly."""
-    torch.manual_seed(0)
-    model = nn.GRU(8, 8, num_layers=2, dropout=0.5, batch_first=True)
-    om = ORTModule(copy.deepcopy(model))
-    with pytest.warns(UserWarning, match="GRU"):
-        om(torch.randn(2, 3, 8))[0].sum().backward()
-    assert om.stats.fallbacks == 1
-
-
 def test_a_custom_function_whose_output_shape_follows_the_data_is_loud():
     class KeepPositive(torch.autograd.Function):
         @staticmethod
