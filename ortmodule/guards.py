@@ -112,16 +112,52 @@ def plain_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
             if k not in _SKIP and isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.grad_fn is None]
 
 
-def atomic_attributes(module: nn.Module) -> dict[tuple[int, str], Any]:
+# NOTE [hooks put back]: a forward may register hooks once and flag it (transformers' output capturing:
+# ``_output_capturing_hooks_installed``, then the hooks append each layer's output to a per-call list).
+# Putting back a trace's attribute writes removed the flag and left the hooks, so the eager forward
+# after a fallback registered them again: every output was collected twice and a layer picked by
+# index was another layer's (silently; SegFormer's decode head raised). The hooks a trace added go
+# with the attributes it wrote.
+_HOOK_DICTS = {"_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+               "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",), "_backward_hooks": (),
+               "_backward_pre_hooks": ()}
+
+
+class AttributeSnapshot(dict):
+    """:func:`atomic_attributes`' result: the attributes, and the keys of each submodule's hooks."""
+
+    hooks: dict[tuple[int, str], frozenset] = {}
+
+
+def atomic_attributes(module: nn.Module) -> AttributeSnapshot:
     """(submodule index in ``modules()`` order, name) -> value, for every plain int/float/bool/str ...
-    attribute (what a forward may count or flag in)."""
-    return {(i, k): v for i, m in enumerate(module.modules()) for k, v in m.__dict__.items()
-            if k not in _SKIP and _atomic(v)}
+    attribute (what a forward may count or flag in); ``.hooks``: the hook keys (NOTE [hooks put back])."""
+    modules = list(module.modules())
+    snap = AttributeSnapshot({(i, k): v for i, m in enumerate(modules) for k, v in m.__dict__.items()
+                              if k not in _SKIP and _atomic(v)})
+    snap.hooks = {(i, name): frozenset(m.__dict__[name]) for i, m in enumerate(modules) for name in _HOOK_DICTS
+                  if m.__dict__.get(name)}
+    return snap
+
+
+def _remove_added_hooks(modules: list[nn.Module], before: dict[tuple[int, str], frozenset]) -> None:
+    for i, m in enumerate(modules):
+        for name, companions in _HOOK_DICTS.items():
+            hooks = m.__dict__.get(name)
+            if not hooks:
+                continue
+            for key in [k for k in hooks if k not in before.get((i, name), ())]:
+                del hooks[key]
+                for companion in companions:
+                    m.__dict__.get(companion, {}).pop(key, None)
 
 
 def put_back_attributes(module: nn.Module, attrs: dict[tuple[int, str], Any]) -> None:
     """Set the plain attributes of ``module`` back to ``attrs`` (an :func:`atomic_attributes` of it),
-    removing the ones added since (NOTE [side effects]: a trace whose writes must not count)."""
+    removing the ones added since, and the hooks registered since (NOTE [side effects]: a trace whose
+    writes must not count; NOTE [hooks put back])."""
+    if isinstance(attrs, AttributeSnapshot):
+        _remove_added_hooks(list(module.modules()), attrs.hooks)
     now = atomic_attributes(module)
     if now == attrs:
         return
