@@ -112,6 +112,72 @@ def plain_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
             if k not in _SKIP and isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.grad_fn is None]
 
 
+# NOTE [stored tensors]: a forward that stores a tensor it computes on the module (``self.last_attn =
+# w.detach()`` for plots, ``self.aux_loss = ...`` that the training loop adds to the loss, a dict of
+# metrics) sets it only while it is traced: under torch.export the attribute was left holding a
+# FakeTensor (reading it raised an unrelated symbolic-shape error), under TorchScript the first call's
+# value, logged as that step's every step after. The graph cannot set an attribute, so such a
+# signature falls back naming the attribute, with what the trace stored put back first.
+_CONTAINERS = (list, tuple, dict)
+
+
+def tensor_slots(module: nn.Module) -> dict[tuple[str, str], tuple]:
+    """(submodule path, attribute) -> (the value, its tensors' ids, a shallow copy), for every attribute
+    that holds a tensor or a list / tuple / dict holding one (NOTE [stored tensors]). Parameters are
+    not stored values, nor are buffers, nor what torch's own modules keep (``nn.LSTM._flat_weights`` lists its
+    parameters, which the trace swaps for fakes)."""
+    slots = {}
+    for path, m in module.named_modules():
+        if type(m).__module__.startswith("torch."):  # torch's own bookkeeping (nn.LSTM's _flat_weights)
+            continue
+        own = {id(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+
+        def stored(x, own=own) -> bool:
+            return isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) and id(x) not in own
+
+        for k, v in m.__dict__.items():
+            if k in _SKIP_SLOTS:
+                continue
+            if stored(v):
+                slots[(path, k)] = (v, (id(v),), v)
+            elif isinstance(v, _CONTAINERS):
+                items = v.values() if isinstance(v, dict) else v
+                ids = tuple(id(x) for x in items if stored(x))
+                if ids:
+                    slots[(path, k)] = (v, ids, type(v)(v.items()) if isinstance(v, dict) else type(v)(v))
+    return slots
+
+
+_SKIP_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+
+
+def hook_managed(module: nn.Module) -> set[tuple[str, str]]:
+    """The slots torch's own pre-hooks set from parameters on every call (``nn.utils.weight_norm`` /
+    ``spectral_norm`` of the old API, ``nn.utils.prune``): traced into the graph, not stored state (NOTE
+    [stored tensors])."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    kinds = (WeightNorm, SpectralNorm, BasePruningMethod)
+    return {(path, getattr(hook, "_tensor_name", getattr(hook, "name", None)))
+            for path, m in module.named_modules() for hook in m._forward_pre_hooks.values() if isinstance(hook, kinds)}
+
+
+def stored_names(before: dict, after: dict, managed: set = frozenset()) -> list[tuple[str, str]]:
+    """The (path, attribute) slots of :func:`tensor_slots` that hold other tensors in ``after``."""
+    return [k for k, v in after.items() if (k not in before or before[k][1] != v[1]) and k not in managed]
+
+
+def stored_tensors_message(name: str, stored: list[tuple[str, str]]) -> str:
+    names = ", ".join(f"{path + '.' if path else ''}{attr}" for path, attr in stored)
+    return (f"{name}.forward stores tensors it computes on the module ({names}): a compiled graph cannot set "
+            "them on later calls, which would keep the traced values (NOTE [stored tensors]). Return them from "
+            "forward instead")
+
+
 # NOTE [hooks put back]: a forward may register hooks once and flag it (transformers' output capturing:
 # ``_output_capturing_hooks_installed``, then the hooks append each layer's output to a per-call list).
 # Putting back a trace's attribute writes removed the flag and left the hooks, so the eager forward

@@ -27,7 +27,16 @@ from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .export.traps import nested_fast_path_reason
 from .function import ORTFunction, functorch_level, write_back
-from .guards import atomic_attributes, find_change, plain_tensors, put_back_attributes, snapshot
+from .guards import (
+    atomic_attributes,
+    find_change,
+    hook_managed,
+    plain_tensors,
+    put_back_attributes,
+    snapshot,
+    stored_tensors_message,
+    tensor_slots,
+)
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
 from .runtime import disk_cache
@@ -123,6 +132,42 @@ _CHANGES_WARNED = 3
 _FUNCTORCH = ("a torch.func transform (grad, vmap, jacrev, jvp, ...) is active: it cannot see through the "
               "ONNX Runtime graph, so this call runs the eager forward (plain calls stay in ORT)")
 
+
+
+def _refuse_stored_tensors(module: nn.Module, entry, before: dict) -> object:
+    """Put back the tensors the trace stored on the module; a signature whose forward stores one falls
+    back naming it (NOTE [stored tensors])."""
+    stored = {k: v for k, v in tensor_slots(module).items() if k not in before or before[k][1] != v[1]}
+    if not stored:
+        return entry
+    modules = dict(module.named_modules())
+    for (path, name), (value, _, _) in stored.items():
+        m = modules.get(path)
+        if m is None:
+            continue
+        if (path, name) not in before:
+            if isinstance(value, torch.Tensor) or m.__dict__.get(name) is not value:
+                m.__dict__.pop(name, None)
+            elif isinstance(value, dict):  # a container that was there without tensors: emptied of them
+                for k in [k for k, x in value.items() if isinstance(x, torch.Tensor)]:
+                    del value[k]
+            elif isinstance(value, list):
+                value[:] = [x for x in value if not isinstance(x, torch.Tensor)]
+            else:
+                m.__dict__.pop(name, None)
+            continue
+        old, _, copy = before[(path, name)]
+        if old is value and isinstance(value, list):
+            value[:] = copy
+        elif old is value and isinstance(value, dict):
+            value.clear()
+            value.update(copy)
+        else:
+            setattr(m, name, old)
+    refused = [k for k in stored if k not in hook_managed(module)]  # put back, but traced: no refusal
+    if isinstance(entry, ORTModuleError) or not refused:
+        return entry
+    return ExportError(stored_tensors_message(type(module).__name__, refused))
 
 
 def _put_back_tensors(tensors: list, saved: list) -> list[str]:
@@ -368,6 +413,7 @@ class ORTModule(nn.Module):
                 attrs = atomic_attributes(module)
                 tensors = plain_tensors(module)
                 saved = [t.detach().clone() for _, t, _ in tensors]
+                slots = tensor_slots(module)
                 refused = _refuse_grad_leaves(module, tensors)
                 if refused is not None and self._options.fallback is FallbackPolicy.RAISE:
                     raise refused
@@ -378,10 +424,11 @@ class ORTModule(nn.Module):
                 except BaseException:
                     put_back_attributes(module, attrs)  # nothing ran: nothing was written
                     _put_back_tensors(tensors, saved)
+                    _refuse_stored_tensors(module, None, slots)
                     raise
                 finally:
                     self._call = None
-                refused = _refuse_written_tensors(module, entry, tensors, saved)
+                refused = _refuse_stored_tensors(module, _refuse_written_tensors(module, entry, tensors, saved), slots)
                 if refused is not entry and self._options.fallback is FallbackPolicy.RAISE:
                     raise refused
                 entry = refused

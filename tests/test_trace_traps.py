@@ -748,3 +748,55 @@ def test_hooks_a_trace_registered_are_put_back_with_its_attributes(read_value):
     assert wrapped.stats.fallbacks > 0
     if read_value:
         assert len(model._collected) == 3  # eager forwards: each output collected once
+
+
+class StoresTensors(nn.Module):
+    """Tensors a forward keeps on the module: an attention map for plots, a router's auxiliary loss the
+    training loop adds (with its gradient), a dict of metrics, a history list appended to."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 2)
+        self.how = how
+        self.history: list = []
+
+    def forward(self, x):
+        w = (self.q(x) @ self.k(x).transpose(-1, -2)).softmax(-1)
+        if self.how == "attention":
+            self.last_attn = w.detach()
+        elif self.how == "aux_loss":
+            self.aux_loss = w.square().mean()
+        elif self.how == "metrics":
+            self.metrics = {"entropy": -(w * w.log()).sum(-1).mean().detach()}
+        else:
+            self.history.append(w.amax().detach())
+        return self.out(w @ x)
+
+
+@pytest.mark.parametrize("how", ["attention", "aux_loss", "metrics", "history"])
+def test_tensors_stored_on_the_module_fall_back_naming_them(how):
+    """NOTE [stored tensors]: the graph cannot set an attribute; the trace left a FakeTensor there (torch.export)
+    or the first call's value for good (TorchScript: the logged entropy was the same every step)."""
+    torch.manual_seed(0)
+    eager = StoresTensors(how)
+    model = copy.deepcopy(eager)
+    wrapped = ORTModule(model)
+    g = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match="stores tensors it computes on the module"):
+        for step in range(3):
+            x = torch.randn(64, 32, 16, generator=g)  # 2048 rows of 32 tokens
+            for m in (eager, wrapped):
+                m.zero_grad()
+                m.out_ = m(x)
+                loss = m.out_.square().mean()
+                if how == "aux_loss":
+                    loss = loss + 0.1 * (m.module if m is wrapped else m).aux_loss
+                loss.backward()
+            assert_close(wrapped.out_, eager.out_, 1e-5, f"output at step {step}")
+            for (name, pe), (_, po) in zip(eager.named_parameters(), model.named_parameters()):
+                assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad at step {step}")
+            stored = {"attention": lambda m: m.last_attn, "aux_loss": lambda m: m.aux_loss,
+                      "metrics": lambda m: m.metrics["entropy"], "history": lambda m: torch.stack(m.history)}[how]
+            assert type(stored(model)) is torch.Tensor  # no FakeTensor left behind
+            assert_close(stored(model), stored(eager), 1e-5, f"the stored value at step {step}")
+    assert wrapped.stats.fallbacks == 1

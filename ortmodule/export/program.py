@@ -30,7 +30,14 @@ import torch
 from torch import nn
 
 from ..errors import MODULE_PATH_KEY, CaptureError, ExportError, traceback_location
-from ..guards import atomic_attributes, put_back_attributes
+from ..guards import (
+    atomic_attributes,
+    hook_managed,
+    put_back_attributes,
+    stored_names,
+    stored_tensors_message,
+    tensor_slots,
+)
 from ..io import FlatInputs
 from ..runtime.torch_nodes import TORCH_DOMAIN, define_torch_call_op, watch_draws
 from .draws import refuse_random_ops
@@ -466,6 +473,8 @@ def export_program(
     trap = wrapper.watch.failure()
     if trap is not None:
         raise ExportError(f"{name}: {trap}")
+    if getattr(wrapper, "tensor_stores", None):
+        raise ExportError(stored_tensors_message(name, wrapper.tensor_stores))
     _refuse_draws_before(node_draws, len(wrapper.semantics.masks), name)
     traced = _traced_files(ep)
     if wrapper.output_spec is None:
@@ -564,13 +573,16 @@ class _Captured(_Flat):
     def forward(self, *tensors: torch.Tensor):
         module = getattr(self, WRAPPER_ATTR)
         before = atomic_attributes(module)
+        slots = tensor_slots(module)
         try:
             return super().forward(*tensors)
         finally:
             after = atomic_attributes(module)
             writes = {k: v for k, v in after.items() if k not in before or before[k] != v}
+            # NOTE [stored tensors]: seen here, inside the trace: torch.export puts a list appended to back
+            stores = stored_names(slots, tensor_slots(module), hook_managed(module))
             self._sink({**{k: getattr(self, k) for k in self._KEPT}, "attribute_writes": writes,
-                        "attributes_before": before})
+                        "attributes_before": before, "tensor_stores": stores})
 
     def restore(self, writes: bool = True) -> None:
         """Put back what the forward learnt, and the plain attributes it wrote in the module (NOTE [side
