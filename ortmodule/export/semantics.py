@@ -1012,8 +1012,9 @@ class ExportSemantics(_Base):
             raise ExportError("a BatchNorm's running statistics are updated twice in one forward")
         momentum = b["momentum"]
         xd = stop_gradient(x)
-        mean = xd.mean(dims)
-        centred = xd - xd.mean(dims, keepdim=True)  # torchlib has no translation of var: written out
+        kept = xd.mean(dims, keepdim=True)  # one pass over x for both (a ReduceMean without keepdims was a second)
+        mean = kept.squeeze(dims)
+        centred = xd - kept  # torchlib has no translation of var: written out
         var = (centred * centred).mean(dims)
         self.buffer_writes[id(rm)], self.buffer_writes[id(rv)] = _running_stats(rm, rv, mean, var, momentum, n)
         return func(x, None, None, b["weight"], b["bias"], True, momentum, b["eps"])
