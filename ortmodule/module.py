@@ -485,7 +485,7 @@ class ORTModule(nn.Module):
         tensors = [*flat.tensors, *params, *buffers, *masks]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
         try:
-            if needs_grad:
+            if needs_grad and entry.graphs is not None:  # NOTE [no float outputs]
                 outs = ORTFunction.apply(entry, names, mutated, *tensors)
             else:
                 feeds = {n: t.detach() for n, t in zip(names, tensors)}
@@ -580,6 +580,8 @@ class ORTModule(nn.Module):
             )
         device = _device_of(flat.tensors, params)
         requires_grad = None
+        if needs_grad and not _float_outputs(exported):
+            needs_grad = False  # NOTE [no float outputs]
         if needs_grad:
             requires_grad = {input_name(i): s.requires_grad for i, s in enumerate(sig.inputs)}
             requires_grad.update({n[0]: s.requires_grad for n, s in zip(param_names, sig.params)})
@@ -806,6 +808,19 @@ _SHARDED_INSIDE = (
 class _CallTraces:
     attrs: dict
     traces: int = 0
+
+
+# NOTE [no float outputs]: a forward that returns only integers or booleans (``logits.argmax(-1)``, a
+# mask) has nothing to differentiate, and eager's outputs do not require grad; its training graphs had
+# an empty backward, which onnxruntime refused to load, and the model fell back to eager. Such a
+# signature runs the inference graph, as under no_grad.
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                          onnx.TensorProto.BFLOAT16})
+
+
+def _float_outputs(exported) -> bool:
+    outputs = exported.model.graph.output[:exported.num_user_outputs]
+    return any(o.type.tensor_type.elem_type in _FLOAT_TYPES for o in outputs)
 
 
 def _counts(before: dict, after: dict) -> bool:

@@ -264,3 +264,40 @@ def test_what_a_forward_returns_matches_eager(what):
         warnings.simplefilter("error")  # and no fallback warning
         wrapped(x0)
     assert wrapped.stats.fallbacks == 0
+
+
+class Predictor(nn.Module):
+    """A forward that returns only what training code logs: predicted classes and a confidence mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+
+    def forward(self, x):
+        logits = self.body(x)
+        return logits.argmax(-1), logits.softmax(-1).amax(-1) > 0.5
+
+
+def test_a_forward_with_only_integer_outputs_runs_in_ort_like_eager():
+    """NOTE [no float outputs]: with grad enabled its training graphs had an empty backward, which
+    onnxruntime refused to load, and the model fell back to eager."""
+    torch.manual_seed(0)
+    eager = Predictor()
+    model = copy.deepcopy(eager)
+    wrapped = ORTModule(model)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ORTModule falls back")
+        for step in range(3):
+            x = torch.randn(4096, 32, generator=g)
+            outs = []
+            for m in (eager, wrapped):
+                torch.manual_seed(10 + step)  # the dropout masks
+                outs.append((m(x), torch.get_rng_state()))
+            (classes_e, mask_e), rng_e = outs[0]
+            (classes_o, mask_o), rng_o = outs[1]
+            assert torch.equal(classes_o, classes_e) and torch.equal(mask_o, mask_e), f"outputs at step {step}"
+            assert not classes_o.requires_grad and torch.equal(rng_o, rng_e)
+            for (name, be), (_, bo) in zip(eager.named_buffers(), model.named_buffers()):
+                assert torch.allclose(bo.float(), be.float(), rtol=1e-5, atol=1e-6), f"{name} at step {step}"
+    assert wrapped.stats.fallbacks == 0
