@@ -21,10 +21,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import enum
 import inspect
+import os
+import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -153,6 +157,50 @@ _SKIP_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
 
 
 
+def buffer_slots(module: nn.Module) -> dict[tuple[str, str], Any]:
+    """(submodule path, buffer name) -> the buffer (or None), for every registered buffer. NOTE [buffer
+    reassigned]: ``self.ema = 0.9 * self.ema + ...`` in forward binds a new tensor to the buffer, which no
+    graph output writes back (in-place writes are: NOTE [buffer writes]); the graph kept serving the old
+    value (outputs 0.03-0.04 off eager from the second step, no warning, both front ends), and the trace
+    left a FakeTensor in a buffer registered as None."""
+    return {(path, k): v for path, m in module.named_modules() for k, v in m._buffers.items()}
+
+
+@contextlib.contextmanager
+def watch_buffer_rebinds(module: nn.Module) -> Iterator[list[tuple[str, str]]]:
+    """The (path, name) of each buffer of ``module`` that code outside torch binds anew meanwhile (NOTE
+    [buffer reassigned]). Seen when it happens: torch.export swaps the buffers for fakes and back around
+    the forward, which puts the original back over the new one."""
+    found: list[tuple[str, str]] = []
+    paths = {id(m): path for path, m in module.named_modules()}
+
+    def hook(m, name, value):
+        path = paths.get(id(m))
+        if path is None or name not in m._buffers or value is m._buffers[name]:  # ``self.steps += 1``: the same one
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == _MODULE_FILE:
+            frame = frame.f_back
+        if frame is not None and not frame.f_code.co_filename.startswith(_TORCH_DIR):
+            found.append((path, name))
+        return None
+
+    handle = _nn_module.register_module_buffer_registration_hook(hook)
+    try:
+        yield found
+    finally:
+        handle.remove()
+
+
+_MODULE_FILE = _nn_module.__file__
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def reassigned(before: dict, after: dict) -> list[tuple[str, str]]:
+    """The buffers of :func:`buffer_slots` bound to another tensor in ``after``."""
+    return [k for k, v in after.items() if k in before and v is not before[k]]
+
+
 def hook_managed(module: nn.Module) -> set[tuple[str, str]]:
     """The slots torch's own pre-hooks set from parameters on every call (``nn.utils.weight_norm`` /
     ``spectral_norm`` of the old API, ``nn.utils.prune``): traced into the graph, not stored state (NOTE
@@ -171,11 +219,20 @@ def stored_names(before: dict, after: dict, managed: set = frozenset()) -> list[
     return [k for k, v in after.items() if (k not in before or before[k][1] != v[1]) and k not in managed]
 
 
-def stored_tensors_message(name: str, stored: list[tuple[str, str]]) -> str:
-    names = ", ".join(f"{path + '.' if path else ''}{attr}" for path, attr in stored)
-    return (f"{name}.forward stores tensors it computes on the module ({names}): a compiled graph cannot set "
-            "them on later calls, which would keep the traced values (NOTE [stored tensors]). Return them from "
-            "forward instead")
+def stored_tensors_message(name: str, stored: list[tuple[str, str]], buffers: list[tuple[str, str]] = ()) -> str:
+    def dotted(keys):
+        return ", ".join(f"{path + '.' if path else ''}{attr}" for path, attr in keys)
+
+    parts = []
+    if stored:
+        parts.append(f"{name}.forward stores tensors it computes on the module ({dotted(stored)}): a compiled graph "
+                     "cannot set them on later calls, which would keep the traced values (NOTE [stored tensors]). "
+                     "Return them from forward instead")
+    if buffers:
+        parts.append(f"{name}.forward binds new tensors to the buffer(s) {dotted(buffers)}: a compiled graph writes "
+                     "a buffer back only when it is updated in place (NOTE [buffer reassigned]). Update it in place "
+                     "under torch.no_grad() (self.ema.mul_(0.9).add_(...), or .copy_(new))")
+    return "; ".join(parts)
 
 
 # NOTE [hooks put back]: a forward may register hooks once and flag it (transformers' output capturing:

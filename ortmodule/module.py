@@ -29,13 +29,16 @@ from .export.traps import nested_fast_path_reason
 from .function import ORTFunction, functorch_level, write_back
 from .guards import (
     atomic_attributes,
+    buffer_slots,
     find_change,
     hook_managed,
     plain_tensors,
     put_back_attributes,
+    reassigned,
     snapshot,
     stored_tensors_message,
     tensor_slots,
+    watch_buffer_rebinds,
 )
 from .io import flatten_inputs, make_signature
 from .options import DebugOptions, FallbackPolicy, Options, VerifyTolerance, logger
@@ -134,11 +137,16 @@ _FUNCTORCH = ("a torch.func transform (grad, vmap, jacrev, jvp, ...) is active: 
 
 
 
-def _refuse_stored_tensors(module: nn.Module, entry, before: dict) -> object:
-    """Put back the tensors the trace stored on the module; a signature whose forward stores one falls
-    back naming it (NOTE [stored tensors])."""
+def _refuse_stored_tensors(module: nn.Module, entry, before: dict, buffers: dict) -> object:
+    """Put back the tensors the trace stored on the module and the buffers it bound anew; a signature
+    whose forward does either falls back naming them (NOTE [stored tensors], NOTE [buffer reassigned])."""
+    rebound = reassigned(buffers, buffer_slots(module))
+    if rebound:
+        modules = dict(module.named_modules())
+        for path, name in rebound:
+            modules[path]._buffers[name] = buffers[(path, name)]
     stored = {k: v for k, v in tensor_slots(module).items() if k not in before or before[k][1] != v[1]}
-    if not stored:
+    if not stored and not rebound:
         return entry
     modules = dict(module.named_modules())
     for (path, name), (value, _, _) in stored.items():
@@ -165,9 +173,9 @@ def _refuse_stored_tensors(module: nn.Module, entry, before: dict) -> object:
         else:
             setattr(m, name, old)
     refused = [k for k in stored if k not in hook_managed(module)]  # put back, but traced: no refusal
-    if isinstance(entry, ORTModuleError) or not refused:
+    if isinstance(entry, ORTModuleError) or not (refused or rebound):
         return entry
-    return ExportError(stored_tensors_message(type(module).__name__, refused))
+    return ExportError(stored_tensors_message(type(module).__name__, refused, rebound))
 
 
 def _put_back_tensors(tensors: list, saved: list) -> list[str]:
@@ -413,7 +421,7 @@ class ORTModule(nn.Module):
                 attrs = atomic_attributes(module)
                 tensors = plain_tensors(module)
                 saved = [t.detach().clone() for _, t, _ in tensors]
-                slots = tensor_slots(module)
+                slots, buffer_refs = tensor_slots(module), buffer_slots(module)
                 refused = _refuse_grad_leaves(module, tensors)
                 if refused is not None and self._options.fallback is FallbackPolicy.RAISE:
                     raise refused
@@ -424,11 +432,12 @@ class ORTModule(nn.Module):
                 except BaseException:
                     put_back_attributes(module, attrs)  # nothing ran: nothing was written
                     _put_back_tensors(tensors, saved)
-                    _refuse_stored_tensors(module, None, slots)
+                    _refuse_stored_tensors(module, None, slots, buffer_refs)
                     raise
                 finally:
                     self._call = None
-                refused = _refuse_stored_tensors(module, _refuse_written_tensors(module, entry, tensors, saved), slots)
+                refused = _refuse_stored_tensors(module, _refuse_written_tensors(module, entry, tensors, saved), slots,
+                                                 buffer_refs)
                 if refused is not entry and self._options.fallback is FallbackPolicy.RAISE:
                     raise refused
                 entry = refused
@@ -738,7 +747,7 @@ class ORTModule(nn.Module):
             if self._call.traces:
                 put_back_attributes(self.module, self._call.attrs)
             self._call.traces += 1
-        with python_random_watch(type(self.module).__name__), \
+        with python_random_watch(type(self.module).__name__), watch_buffer_rebinds(self.module) as rebinds, \
                 self._autocast_for_export(sig, _device_of(flat.tensors, params)):
             if self._options.frontend == "export":
                 exported = export_program(self.module, flat, params, param_names, buffers, buffer_names,
@@ -747,6 +756,8 @@ class ORTModule(nn.Module):
             else:
                 exported = export_module(self.module, flat, params, param_names, buffers, buffer_names,
                                          dynamic=dynamic, batch_only=batch_only)
+        if rebinds:  # NOTE [buffer reassigned]
+            raise ExportError(stored_tensors_message(type(self.module).__name__, [], sorted(set(rebinds))))
         self._stats.export_s += time.perf_counter() - t0
         self._stats.exports += 1
         logger.info("exported %s in %.3f s", type(self.module).__name__, time.perf_counter() - t0)
