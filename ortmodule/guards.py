@@ -155,14 +155,14 @@ def tensor_slots(module: nn.Module) -> dict[tuple[str, str], tuple]:
 _SKIP_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
 
 
-
-
+# NOTE [buffer reassigned]: ``self.ema = 0.9 * self.ema + ...`` in forward binds a new tensor to the
+# buffer, which no graph output writes back (in-place writes are: NOTE [buffer writes]); the graph kept
+# serving the old value (outputs 0.03-0.04 off eager from the second step, no warning, both front ends),
+# and the trace left a FakeTensor in a buffer registered as None (a lazily built cache). Such a
+# signature falls back naming the buffer, which is put back; ``self.steps += 1`` rebinds the same tensor
+# and is an in-place write.
 def buffer_slots(module: nn.Module) -> dict[tuple[str, str], Any]:
-    """(submodule path, buffer name) -> the buffer (or None), for every registered buffer. NOTE [buffer
-    reassigned]: ``self.ema = 0.9 * self.ema + ...`` in forward binds a new tensor to the buffer, which no
-    graph output writes back (in-place writes are: NOTE [buffer writes]); the graph kept serving the old
-    value (outputs 0.03-0.04 off eager from the second step, no warning, both front ends), and the trace
-    left a FakeTensor in a buffer registered as None."""
+    """(submodule path, buffer name) -> the buffer (or None), for every registered buffer."""
     return {(path, k): v for path, m in module.named_modules() for k, v in m._buffers.items()}
 
 
