@@ -156,11 +156,13 @@ _SKIP_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
 
 
 # NOTE [buffer reassigned]: ``self.ema = 0.9 * self.ema + ...`` in forward binds a new tensor to the
-# buffer, which no graph output writes back (in-place writes are: NOTE [buffer writes]); the graph kept
+# buffer, which no graph output wrote back (in-place writes are: NOTE [buffer writes]); the graph kept
 # serving the old value (outputs 0.03-0.04 off eager from the second step, no warning, both front ends),
-# and the trace left a FakeTensor in a buffer registered as None (a lazily built cache). Such a
-# signature falls back naming the buffer, which is put back; ``self.steps += 1`` rebinds the same tensor
-# and is an in-place write.
+# and the trace left a FakeTensor in a buffer registered as None (a lazily built cache). While a forward
+# is traced, a new tensor of the buffer's shape, dtype and device that needs no gradient is copied into
+# the buffer instead (an in-place write, written back after each run: eager's values, the buffer object
+# kept); any other rebinding (from None, another shape, a value with a gradient) falls back naming the
+# buffer, which is put back. ``self.steps += 1`` rebinds the same tensor: an in-place write.
 def buffer_slots(module: nn.Module) -> dict[tuple[str, str], Any]:
     """(submodule path, buffer name) -> the buffer (or None), for every registered buffer."""
     return {(path, k): v for path, m in module.named_modules() for k, v in m._buffers.items()}
@@ -168,21 +170,30 @@ def buffer_slots(module: nn.Module) -> dict[tuple[str, str], Any]:
 
 @contextlib.contextmanager
 def watch_buffer_rebinds(module: nn.Module) -> Iterator[list[tuple[str, str]]]:
-    """The (path, name) of each buffer of ``module`` that code outside torch binds anew meanwhile (NOTE
-    [buffer reassigned]). Seen when it happens: torch.export swaps the buffers for fakes and back around
-    the forward, which puts the original back over the new one."""
+    """The (path, name) of each buffer of ``module`` that code outside torch binds anew meanwhile and that
+    cannot be written in place instead (NOTE [buffer reassigned]). Seen when it happens: torch.export swaps
+    the buffers for fakes and back around the forward, which puts the original back over the new one."""
     found: list[tuple[str, str]] = []
     paths = {id(m): path for path, m in module.named_modules()}
 
     def hook(m, name, value):
         path = paths.get(id(m))
-        if path is None or name not in m._buffers or value is m._buffers[name]:  # ``self.steps += 1``: the same one
+        old = m._buffers.get(name) if path is not None else None
+        if path is None or name not in m._buffers or value is old:  # ``self.steps += 1``: the same one
             return None
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename == _MODULE_FILE:
             frame = frame.f_back
-        if frame is not None and not frame.f_code.co_filename.startswith(_TORCH_DIR):
-            found.append((path, name))
+        if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
+            return None
+        from .export.traps import _requires_grad_in_eager  # a detach in the trace still requires grad
+
+        if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and not _requires_grad_in_eager(value) \
+                and value.dtype == old.dtype and value.device == old.device and value.shape == old.shape:
+            with torch.no_grad():  # written back as an in-place write is (NOTE [buffer writes])
+                old.copy_(value)
+            return old
+        found.append((path, name))
         return None
 
     handle = _nn_module.register_module_buffer_registration_hook(hook)
