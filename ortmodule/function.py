@@ -37,7 +37,6 @@ def write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tenso
             buf.copy_(new)
 
 
-
 def functorch_level() -> int | None:
     """The current torch.func transform level, or None outside any transform (NOTE [functorch transforms]
     in module.py: the Function below cannot be seen through by them)."""
@@ -45,6 +44,7 @@ def functorch_level() -> int | None:
         return torch._C._functorch.maybe_current_level()
     except AttributeError:  # a torch without functorch's C bindings
         return None
+
 
 class ORTFunction(torch.autograd.Function):
     @staticmethod

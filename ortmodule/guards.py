@@ -186,9 +186,9 @@ def watch_buffer_rebinds(module: nn.Module) -> Iterator[list[tuple[str, str]]]:
             frame = frame.f_back
         if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
             return None
-        from .export.traps import _requires_grad_in_eager  # a detach in the trace still requires grad
+        from .export.traps import requires_grad_in_eager  # a detach in the trace still requires grad (lazy: a cycle)
 
-        if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and not _requires_grad_in_eager(value) \
+        if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and not requires_grad_in_eager(value) \
                 and value.dtype == old.dtype and value.device == old.device and value.shape == old.shape:
             with torch.no_grad():  # written back as an in-place write is (NOTE [buffer writes])
                 old.copy_(value)

@@ -36,6 +36,7 @@ from .guards import (
     put_back_attributes,
     reassigned,
     snapshot,
+    stored_names,
     stored_tensors_message,
     tensor_slots,
     watch_buffer_rebinds,
@@ -137,41 +138,40 @@ _FUNCTORCH = ("a torch.func transform (grad, vmap, jacrev, jvp, ...) is active: 
 
 
 
-def _refuse_stored_tensors(module: nn.Module, entry, before: dict, buffers: dict) -> object:
-    """Put back the tensors the trace stored on the module and the buffers it bound anew; a signature
-    whose forward does either falls back naming them (NOTE [stored tensors], NOTE [buffer reassigned])."""
-    rebound = reassigned(buffers, buffer_slots(module))
-    if rebound:
-        modules = dict(module.named_modules())
-        for path, name in rebound:
-            modules[path]._buffers[name] = buffers[(path, name)]
-    stored = {k: v for k, v in tensor_slots(module).items() if k not in before or before[k][1] != v[1]}
-    if not stored and not rebound:
-        return entry
+def _put_back_stored(module: nn.Module, before: dict, buffers: dict) -> tuple[list, list]:
+    """Put back the tensors the trace stored on the module (``before``: a :func:`tensor_slots` of it) and
+    the buffers it bound anew (``buffers``: a :func:`buffer_slots`); return both as (path, name) lists."""
     modules = dict(module.named_modules())
-    for (path, name), (value, _, _) in stored.items():
-        m = modules.get(path)
-        if m is None:
-            continue
-        if (path, name) not in before:
-            if isinstance(value, torch.Tensor) or m.__dict__.get(name) is not value:
-                m.__dict__.pop(name, None)
-            elif isinstance(value, dict):  # a container that was there without tensors: emptied of them
-                for k in [k for k, x in value.items() if isinstance(x, torch.Tensor)]:
-                    del value[k]
-            elif isinstance(value, list):
-                value[:] = [x for x in value if not isinstance(x, torch.Tensor)]
+    rebound = reassigned(buffers, buffer_slots(module))
+    for path, name in rebound:
+        modules[path]._buffers[name] = buffers[(path, name)]
+    now = tensor_slots(module)
+    stored = stored_names(before, now)
+    for path, name in stored:
+        m, value = modules[path], now[(path, name)][0]
+        if (path, name) in before:
+            old, _, contents = before[(path, name)]
+            if old is value and isinstance(value, list):
+                value[:] = contents
+            elif old is value and isinstance(value, dict):
+                value.clear()
+                value.update(contents)
             else:
-                m.__dict__.pop(name, None)
-            continue
-        old, _, copy = before[(path, name)]
-        if old is value and isinstance(value, list):
-            value[:] = copy
-        elif old is value and isinstance(value, dict):
-            value.clear()
-            value.update(copy)
+                setattr(m, name, old)
+        elif isinstance(value, dict):  # a container that was there without tensors: emptied of them
+            for k in [k for k, x in value.items() if isinstance(x, torch.Tensor)]:
+                del value[k]
+        elif isinstance(value, list):
+            value[:] = [x for x in value if not isinstance(x, torch.Tensor)]
         else:
-            setattr(m, name, old)
+            m.__dict__.pop(name, None)
+    return stored, rebound
+
+
+def _refuse_stored_tensors(module: nn.Module, entry, before: dict, buffers: dict) -> object:
+    """Put back what the trace stored on the module or bound to its buffers; a signature whose forward
+    does either falls back naming them (NOTE [stored tensors], NOTE [buffer reassigned])."""
+    stored, rebound = _put_back_stored(module, before, buffers)
     refused = [k for k in stored if k not in hook_managed(module)]  # put back, but traced: no refusal
     if isinstance(entry, ORTModuleError) or not (refused or rebound):
         return entry
@@ -432,7 +432,7 @@ class ORTModule(nn.Module):
                 except BaseException:
                     put_back_attributes(module, attrs)  # nothing ran: nothing was written
                     _put_back_tensors(tensors, saved)
-                    _refuse_stored_tensors(module, None, slots, buffer_refs)
+                    _put_back_stored(module, slots, buffer_refs)
                     raise
                 finally:
                     self._call = None

@@ -465,7 +465,7 @@ def _index_put(self_: torch.Tensor, indices, values: torch.Tensor) -> torch.Tens
     return _index_add(flat, 0, flat_idx, vals).reshape(self_.shape)
 
 
-def _requires_grad_in_eager(t: torch.Tensor) -> bool:
+def requires_grad_in_eager(t: torch.Tensor) -> bool:
     """Whether ``t`` requires grad in eager: in the trace, ``.detach()`` and no_grad results are
     ortmodule's stop_gradient op (NOTE [stop gradient]), whose output still requires grad there; a
     path to a leaf that avoids them is eager's requires_grad."""
@@ -490,7 +490,7 @@ def rewrite(func, args, kwargs):
     if func in _GRAD_HOOKS:  # a failure recorded by on_call; in the trace there is nothing to hook
         return None if func is torch.Tensor.retain_grad else _NoHandle()
     if func in _NO_DERIVATIVE and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and _requires_grad_in_eager(t) for t in (*args, *kwargs.values())):
+            isinstance(t, torch.Tensor) and requires_grad_in_eager(t) for t in (*args, *kwargs.values())):
         # NOTE [no derivative]: eager's backward raises "derivative for aten::floor_divide is not
         # implemented" (heaviside alike); the graph would give zeros or None without a word
         name = getattr(func, "__name__", str(func)).strip("_").replace("rfloordiv", "floordiv")
