@@ -644,7 +644,7 @@ class _Base(TorchFunctionMode):
                 self.watch.data_view(out, args[0])
                 return out
             self.watch.on_call(func, args)
-            out = rewrite(func, args, kwargs)
+            out = rewrite(func, args, kwargs, self.watch)
             if out is not NOT_REWRITTEN:
                 return out
         if func in RANDOM_FUNCS and self.watch is not None and not inside_call():

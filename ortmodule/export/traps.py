@@ -485,12 +485,14 @@ def requires_grad_in_eager(t: torch.Tensor) -> bool:
     return t.grad_fn is None  # a leaf that requires grad
 
 
-def rewrite(func, args, kwargs):
+def rewrite(func, args, kwargs, watch: TraceWatch | None = None):
     """The exact formulation of an op the exporter gets wrong, or ``NOT_REWRITTEN``."""
     if func in _GRAD_HOOKS:  # a failure recorded by on_call; in the trace there is nothing to hook
         return None if func is torch.Tensor.retain_grad else _NoHandle()
+    # The TorchScript trace's copies do not require grad: its value trace tells what a tensor came from.
+    needs_grad = watch.requires_grad_in_eager if watch is not None and watch.jit else requires_grad_in_eager
     if func in _NO_DERIVATIVE and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and requires_grad_in_eager(t) for t in (*args, *kwargs.values())):
+            isinstance(t, torch.Tensor) and needs_grad(t) for t in (*args, *kwargs.values())):
         # NOTE [no derivative]: eager's backward raises "derivative for aten::floor_divide is not
         # implemented" (heaviside alike); the graph would give zeros or None without a word
         name = getattr(func, "__name__", str(func)).strip("_").replace("rfloordiv", "floordiv")
