@@ -69,6 +69,7 @@ class Explanation:
     call_error: str | None = None  # the call raises (not a fallback): e.g. ORT failed at run time
     recompute: RecomputePlan | None = None  # the training graphs' recompute plan (NOTE [recompute])
     torch_nodes: list[TorchNode] = dataclasses.field(default_factory=list)  # NOTE [torch nodes]
+    value_checks: list[str] = dataclasses.field(default_factory=list)  # NOTE [value checks]: where each was made
 
     @property
     def would_fall_back(self) -> bool:
@@ -101,6 +102,9 @@ class Explanation:
             lines.append(f"  other random tensors drawn by torch per step: {self.random_draws}")
         if self.mutated_buffers:
             lines.append(f"  buffers updated each step: {', '.join(self.mutated_buffers)}")
+        if self.value_checks:
+            lines.append(f"  value checks computed in the graph, eager's error raised where one fails "
+                         f"({len(self.value_checks)}): {'; '.join(self.value_checks)}")
         if self.missing_rules:
             lines.append("  ops without a gradient rule (register one in ortmodule/autodiff/rules/):")
             lines.extend(f"    - {m}" for m in self.missing_rules)
@@ -195,6 +199,7 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         dropout_masks=sum(isinstance(s, MaskSpec) for s in exported.masks),
         random_draws=sum(not isinstance(s, MaskSpec) for s in exported.masks),
         mutated_buffers=[buffer_names[i][0] for i in exported.mutated_buffers],
+        value_checks=list(exported.checks),
         needs_grad=needs_grad,
         falls_back=stats.fallbacks > 0,
         reason=stats.last_fallback_reason,

@@ -37,6 +37,17 @@ def write_back(buffers: Sequence[torch.Tensor], new_values: Sequence[torch.Tenso
             buf.copy_(new)
 
 
+class ValueCheckFailed(Exception):
+    """A value check of the forward (NOTE [value checks]) did not hold on this call's inputs."""
+
+
+def check_values(exported, outs: Sequence[torch.Tensor], n_mutated: int) -> None:
+    """Raise :class:`ValueCheckFailed` where the graph's value check output is false (NOTE [value checks]):
+    read before any buffer is written back, so the eager forward that then raises starts from the same state."""
+    if exported.checks and not bool(outs[exported.num_user_outputs + n_mutated]):
+        raise ValueCheckFailed(", ".join(exported.checks))
+
+
 def functorch_level() -> int | None:
     """The current torch.func transform level, or None outside any transform (NOTE [functorch transforms]
     in module.py: the Function below cannot be seen through by them)."""
@@ -57,6 +68,7 @@ class ORTFunction(torch.autograd.Function):
         outs = entry.forward.run(feeds, ctx.torch_state)
         n_user = entry.exported.num_user_outputs
         n_mut = len(mutated)
+        check_values(entry.exported, outs, n_mut)
         write_back(mutated, outs[n_user : n_user + n_mut])
         by_name = dict(zip(graphs.forward_outputs, outs))
         ctx.entry = entry

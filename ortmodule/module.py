@@ -26,7 +26,7 @@ from .export.dynamic import DynamicExport, non_batch_dims
 from .export.program import export_program
 from .export.torchscript import ExportedModel, grad_mask, input_name, mask_name
 from .export.traps import nested_fast_path_reason
-from .function import ORTFunction, functorch_level, write_back
+from .function import ORTFunction, ValueCheckFailed, check_values, functorch_level, write_back
 from .guards import (
     atomic_attributes,
     buffer_slots,
@@ -490,6 +490,9 @@ class ORTModule(nn.Module):
         check = None
         if fresh and self._options.verify:  # NOTE [verify leaves no trace]: before the masks are drawn
             check = Verification(self, sig, flat.tensors, params, param_names, args, kwargs, device)
+        # NOTE [value checks], NOTE [run errors]: an eager forward that raises eager's error starts where
+        # eager's would, the masks' draws undone (~1 us)
+        rng = _rng_states(device) if exported.masks else None
         masks = [spec.draw(device, flat.tensors) for spec in exported.masks]
         tensors = [*flat.tensors, *params, *buffers, *masks]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
@@ -500,8 +503,15 @@ class ORTModule(nn.Module):
                 feeds = {n: t.detach() for n, t in zip(names, tensors)}
                 results = entry.inference.run(feeds)
                 n_user = exported.num_user_outputs
-                write_back(mutated, results[n_user:])
+                check_values(exported, results, len(mutated))
+                write_back(mutated, results[n_user : n_user + len(mutated)])
                 outs = results[:n_user]
+        except ValueCheckFailed:  # NOTE [value checks]: eager raises its own error (nothing was written back)
+            if rng is not None:
+                _set_rng_states(rng)
+            out = module(*args, **kwargs)
+            self._guard = self._exported_guard = snapshot(module)[1]
+            return out
         except RuntimeError as exc:
             if _ORT_RUN_FAILURE not in str(exc):
                 raise
@@ -509,6 +519,8 @@ class ORTModule(nn.Module):
             # onnxruntime, with its node's message. Eager's own error names the user's line: the
             # eager forward runs on the same inputs and raises it. If eager runs, the failure is
             # ortmodule's and is raised as it is.
+            if rng is not None:
+                _set_rng_states(rng)
             module(*args, **kwargs)
             raise
         result = exported.output_spec.rebuild(outs, flat.tensors)
@@ -827,6 +839,19 @@ class _CallTraces:
 # signature runs the inference graph, as under no_grad.
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
                           onnx.TensorProto.BFLOAT16})
+
+
+def _rng_states(device: torch.device) -> tuple:
+    """The default generators' states the masks are drawn from (NOTE [value checks])."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), device, cuda
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, device, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _float_outputs(exported) -> bool:

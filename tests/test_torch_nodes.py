@@ -667,3 +667,71 @@ def test_a_custom_function_that_draws_keeps_eager_order_or_falls_back(dropout_af
         assert any("NoisyScale" in str(w.message) and "draws" in str(w.message) for w in caught)
     else:
         assert wrapped.stats.fallbacks == 0 and wrapped.stats.torch_nodes == 1
+
+
+# NOTE [decomposed to nothing]: ops torchlib has no translation for, whose decomposition ends in a node
+# nothing translates either (a prim, an effectful error check): each fell back for the whole model.
+_DECOMPOSED_TO_NOTHING = {
+    "lgamma": lambda h: torch.lgamma(h.exp() + 0.1),  # Gamma / Beta / Dirichlet / StudentT / Poisson
+    "digamma": lambda h: torch.digamma(h.exp() + 0.1),
+    "mvlgamma": lambda h: torch.mvlgamma(h.exp() + 2, 2),
+    "i0": lambda h: torch.i0(h),
+    "i0e": lambda h: torch.special.i0e(h),  # von Mises
+    "i1": lambda h: torch.special.i1(h),
+    "i1e": lambda h: torch.special.i1e(h),
+    "ndtri": lambda h: torch.special.ndtri(torch.sigmoid(h)),
+    "copysign": lambda h: torch.copysign(h, -h.flip(1)),
+    "entr": lambda h: torch.special.entr(torch.sigmoid(h)),  # torchlib's graph does not load
+    "inv": lambda h: torch.linalg.inv(h.reshape(-1, 4, 4) + 4 * torch.eye(4)).reshape(h.shape),
+    "solve": lambda h: torch.linalg.solve(h[:, :16].reshape(-1, 4, 4) + 4 * torch.eye(4),
+                                          h[:, 16:].reshape(-1, 4, 4)).reshape(h.shape[0], 16),
+    "cholesky": lambda h: torch.linalg.cholesky(
+        (lambda a: a @ a.mT + torch.eye(4))(h[:, :16].reshape(-1, 4, 4))).reshape(h.shape[0], 16),
+}
+
+
+class Special(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(32, 32), nn.Linear(32 if form not in ("solve", "cholesky") else 16, 8)
+        self.form = form
+
+    def forward(self, x):
+        return self.out(_DECOMPOSED_TO_NOTHING[self.form](self.lin(x)))
+
+
+@pytest.mark.parametrize("form", sorted(_DECOMPOSED_TO_NOTHING))
+def test_ops_decomposed_to_untranslatable_nodes_run_in_torch(form):
+    """The ATen call the untranslatable node came from (its ``from_node`` provenance) runs in torch,
+    the rest in ORT: 3 AdamW steps at eager's numbers, no fallback, and explain() says why."""
+    from ortmodule import explain
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4096, 32, generator=g) * 0.5,) for _ in range(2)]
+    wrapped = train_side_by_side(Special(form), batches, lambda y, _: y.square().mean(), rtol=2e-5, steps=3)
+    assert wrapped.stats.fallbacks == 0 and wrapped.stats.torch_nodes >= 1
+    report = explain(Special(form), *batches[0])
+    assert report.torch_nodes and any("cannot translate" in t.reason or "cannot load" in t.reason
+                                      for t in report.torch_nodes), report.torch_nodes
+
+
+def test_a_singular_matrix_raises_eagers_error_and_the_module_keeps_working():
+    """linalg.solve as a torch node raises torch's own LinAlgError on a singular matrix, as eager does."""
+    torch.manual_seed(0)
+    model = Special("solve")
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(64, 32)
+    wrapped(x).sum().backward()
+    with torch.no_grad():
+        saved = [p.clone() for p in wrapped.module.lin.parameters()]
+        wrapped.module.lin.weight.zero_()
+        wrapped.module.lin.bias.zero_()
+        wrapped.module.lin.bias[[0, 5, 10, 15]] = -4.0  # h + 4 I == 0
+    for m in (wrapped.module, wrapped):
+        with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+            m(x)
+    with torch.no_grad():
+        for p, s in zip(wrapped.module.lin.parameters(), saved):
+            p.copy_(s)
+    assert_close(wrapped(x), model(x), 1e-5, "output after the error")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import re
 import threading
 import warnings
@@ -481,13 +482,12 @@ def export_program(
         raise ExportError(f"{name}.forward was not traced")
     if torch_nodes:  # NOTE [as torch]: before the decompositions (cdist's would hide it)
         to_torch_calls(ep, torch_only_nodes(ep))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's own deprecation warnings inside the re-trace
-            ep = _prepare(ep)
-    except Exception as exc:
-        raise ExportError(f"decomposing {name}'s exported program failed: {type(exc).__name__}: "
-                          f"{_first_line(exc)}") from exc
+    raw = ep
+    ep = _prepared(raw, name)
+    if torch_nodes:  # NOTE [decomposed to nothing]
+        origins = _untranslatable_origins(ep, raw)
+        if origins and to_torch_calls(raw, origins):
+            ep = _prepared(raw, name)
     _refuse_mutated_inputs(ep, name, n_user, param_names)
     guard = _shape_guard(ep, n_all) if dynamic else None
     masks = tuple(wrapper.semantics.masks)
@@ -521,6 +521,7 @@ def export_program(
         output_spec=wrapper.output_spec,
         num_user_outputs=wrapper.num_user_outputs,
         mutated_buffers=wrapper.mutated,
+        checks=wrapper.checks,
         opset=opset,
         masks=masks,
         dynamic=dynamic,
@@ -562,7 +563,7 @@ class _Captured(_Flat):
     """The flat wrapper, keeping what its forward learns: torch.export puts back the attributes of
     the module it captures after the trace (containers included), so they go to a sink function."""
 
-    _KEPT = ("output_spec", "num_user_outputs", "mutated", "semantics", "forward_error")
+    _KEPT = ("output_spec", "num_user_outputs", "mutated", "checks", "semantics", "forward_error")
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -783,6 +784,62 @@ def _prepare(ep):
         if _needs_type_promotion(ep.graph_module):
             _fx_passes.insert_type_promotion_nodes(ep.graph_module)
     return ep
+
+
+def _prepared(ep, name: str):
+    """:func:`_prepare`, its failure an :class:`ExportError`."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own deprecation warnings inside the re-trace
+            return _prepare(ep)
+    except Exception as exc:
+        raise ExportError(f"decomposing {name}'s exported program failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)}") from exc
+
+
+# NOTE [decomposed to nothing]: an ATen op torchlib has no translation for is decomposed first, and
+# some decompositions end in ops nothing translates either: ``lgamma`` / ``digamma`` / ``i0`` /
+# ``ndtri`` in prims (``prims.lgamma``, ``prims.signbit`` from ``copysign`` ...), ``linalg.inv`` /
+# ``linalg.solve`` / ``cholesky`` in an effectful error check (``with_effects``). The translation then
+# failed on a node that is no ATen op, so it could not become a torch node, and the whole model fell
+# back (every ``Beta`` / ``Gamma`` / ``Dirichlet`` / ``StudentT`` / ``Poisson`` log-likelihood). Such a
+# node's provenance (``from_node``) names the ATen call of the captured program it came from: that
+# call runs in torch instead, with torch's autograd for its gradient, and the program is decomposed again.
+def _untranslatable_origins(prepared, raw) -> dict[str, str]:
+    """Names of ``raw``'s ATen calls whose decomposition in ``prepared`` left a node nothing translates."""
+    if prepared is raw:
+        return {}
+    registered = Translatable()
+    graph_id = id(raw.graph)
+    calls = {n.name: n for n in raw.graph.nodes if n.op == "call_function"
+             and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"}
+    found: dict[str, str] = {}
+    for node in prepared.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or target is operator.getitem:
+            continue
+        if isinstance(target, torch._ops.OpOverload) and (target.namespace == "aten" or target in registered):
+            continue  # an ATen op without a translation becomes a torch node where it fails (_translate_or_call)
+        if not isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            continue
+        # an effectful error check (``_linalg_check_errors``) made by a second decomposition names no
+        # origin: the call whose result it checks does
+        origin = next((o for o in (_origin(n, graph_id) for n in (node, *node.all_input_nodes)) if o in calls), None)
+        if origin is not None and origin not in found:
+            what = getattr(target, "__name__", str(target))
+            found[origin] = f"torch.onnx cannot translate {calls[origin].target.__name__} (it decomposes to {what})"
+    return found
+
+
+def _origin(node, graph_id: int) -> str | None:
+    """The name of the node of graph ``graph_id`` that ``node`` was made from, by its ``from_node`` chain."""
+    stack = list(node.meta.get("from_node") or ())
+    while stack:
+        src = stack.pop(0)
+        if getattr(src, "graph_id", None) == graph_id:
+            return src.name
+        stack.extend(getattr(src, "from_node", None) or ())
+    return None
 
 
 def _needs_type_promotion(gm) -> bool:

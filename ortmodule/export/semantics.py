@@ -647,6 +647,8 @@ class _Base(TorchFunctionMode):
             out = rewrite(func, args, kwargs, self.watch)
             if out is not NOT_REWRITTEN:
                 return out
+        if func is torch._is_all_true and self.watch is not None and not inside_call():
+            return self.value_check(*args, **kwargs)  # NOTE [value checks]
         if func in RANDOM_FUNCS and self.watch is not None and not inside_call():
             return random_call(self, func, args, kwargs)  # NOTE [random draws]
         if func in _VF_RNNS and not inside_call():
@@ -970,7 +972,20 @@ class ExportSemantics(_Base):
         self.masks: list[MaskSpec] = []
         self.mask_sizes: list[tuple] = []  # each mask's sizes as traced (SymInts under torch.export)
         self.buffer_writes: dict[int, torch.Tensor] = {}  # id(buffer clone) -> its new value
+        self.checks: list[tuple[torch.Tensor, str]] = []  # NOTE [value checks]: (all true?, where)
         self.watch = watch
+
+    # NOTE [value checks]: torch.distributions validates its arguments and samples by default
+    # (``if not torch._is_all_true(constraint.check(value)): raise ValueError(...)``): a read of tensor
+    # values into Python, which no graph can replay, so every model that builds a Normal or a
+    # Categorical in forward (policies, VAEs, mixture heads) fell back to eager. The check is computed
+    # in the graph instead, as one extra boolean output (after the mutated buffers), and read after
+    # each run, before anything is written back: where it is false, the eager forward runs on the same
+    # inputs and raises eager's own ValueError (the one that names the parameter and its values). The
+    # trace carries on as if the check passed.
+    def value_check(self, valid: torch.Tensor) -> bool:
+        self.checks.append((valid.all(), user_location()))
+        return True
 
     def dropout(self, x, p, keep: int = 0):
         if p >= 1.0:

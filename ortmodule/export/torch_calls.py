@@ -156,6 +156,8 @@ _AS_TORCH = {
     # torchlib has no erfinv, and its decomposition is a prim (``prims.erf_inv``) that nothing translates
     # either: the model fell back (probit links, Gaussian copulas, inverse-CDF sampling)
     **dict.fromkeys(("erfinv", "special_erfinv"), lambda node: "torch.onnx has no translation of erfinv"),
+    # torchlib's entr writes a Where of int64 and float, which onnxruntime refuses to load
+    "special_entr": lambda node: "torchlib's special.entr gives a graph onnxruntime cannot load",
     "avg_pool2d": lambda node: ("torchlib ignores avg_pool2d's divisor_override"
                                 if (node.args[6] if len(node.args) > 6 else node.kwargs.get("divisor_override"))
                                 is not None else None),

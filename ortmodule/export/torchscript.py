@@ -96,6 +96,9 @@ class ExportedModel:
     # The module paths the forward ran under torch.utils.checkpoint (NOTE [checkpoint regions]).
     checkpoint_regions: tuple[str, ...] = ()
     nested_fast_paths: tuple[str, ...] = ()  # NOTE [nested fast path]
+    # NOTE [value checks]: where the forward checked values (torch.distributions' validation); where
+    # there are any, one boolean output after the mutated buffers says whether all of them held.
+    checks: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -141,6 +144,7 @@ class _Flat(nn.Module):
         self.output_spec: OutputSpec | None = None
         self.num_user_outputs = 0
         self.mutated: tuple[int, ...] = ()
+        self.checks: tuple[str, ...] = ()  # NOTE [value checks]
         self.semantics: ExportSemantics | None = None
         self.watch = TraceWatch()
         self.trainable: list[bool] = []  # per parameter: requires_grad (the trace sees detached copies)
@@ -189,7 +193,10 @@ class _Flat(nn.Module):
             raise UnsupportedTrace("forward writes a BatchNorm's running statistics in place as well as through "
                                    "the BatchNorm: the graph could not tell their order")
         self.mutated = tuple(i for i, c in enumerate(clones) if c._version != versions[i] or id(c) in writes)
-        return tuple(outs) + tuple(writes.get(id(clones[i]), clones[i]) for i in self.mutated)
+        checks = self.semantics.checks
+        self.checks = tuple(where for _, where in checks)
+        ok = (torch.stack([c.reshape(()) for c, _ in checks]).all(),) if checks else ()  # NOTE [value checks]
+        return tuple(outs) + tuple(writes.get(id(clones[i]), clones[i]) for i in self.mutated) + ok
 
 
 def export_module(
@@ -274,6 +281,7 @@ def export_module(
         output_spec=wrapper.output_spec,
         num_user_outputs=wrapper.num_user_outputs,
         mutated_buffers=wrapper.mutated,
+        checks=wrapper.checks,
         opset=opset,
         masks=masks,
         dynamic=dynamic,
