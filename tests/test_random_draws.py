@@ -212,13 +212,17 @@ def test_draws_the_graph_cannot_make_fall_back_naming_them(case):
     model = Draws(fns[case])
     wrapped = ORTModule(copy.deepcopy(model))
     x = torch.randn(B, D)
-    with pytest.warns(UserWarning, match=r"NOTE \[random draws\]"):
+    # NOTE [draws as torch nodes]: under torch.export, multinomial runs in torch, in eager's order
+    in_torch = case == "multinomial" and TORCH_EXPORT
+    with pytest.warns(UserWarning, match=r"NOTE \[random draws\]") if not in_torch else warnings.catch_warnings():
+        if in_torch:
+            warnings.simplefilter("error", UserWarning)
         torch.manual_seed(5)
         yo = wrapped(x)
     gen.manual_seed(3)
     torch.manual_seed(5)
     assert torch.equal(yo, model(x))
-    assert wrapped.stats.fallbacks == 1
+    assert wrapped.stats.fallbacks == int(not in_torch)
 
 
 @pytest.mark.parametrize("source", ["random", "numpy.random"])

@@ -19,9 +19,11 @@ drawn by torch, in eager order, and fed to the graph as inputs.
 # On CPU every draw is bit-identical to eager's (tests/test_random_draws.py). On CUDA the same calls
 # draw from torch's CUDA generator (seeded, same distribution); ``bernoulli(p)`` with a tensor then
 # takes other values than eager's kernel (as CUDA dropout masks do). A draw whose result depends on
-# values inside the graph in another way (``multinomial``, ``poisson``, ``rrelu`` in training), or a
-# call with its own ``generator=``, is refused (fallback naming it); so is any random op that still
-# reaches the ONNX graph (:func:`refuse_random_ops`).
+# values inside the graph in another way (``multinomial``, ``poisson``, ``binomial``, the gamma and
+# Dirichlet draws) runs as a torch node under the torch.export front end (NOTE [draws as torch nodes]
+# in torch_calls.py), drawing during the run in eager's order; under the TorchScript one, and for
+# ``rrelu`` in training or a call with its own ``generator=``, it is refused (fallback naming it); so
+# is any random op that still reaches the ONNX graph (:func:`refuse_random_ops`).
 """
 
 from __future__ import annotations
@@ -127,6 +129,14 @@ def random_call(semantics, func, args, kwargs):
     if kwargs.get("out") is not None:
         _refuse(name, "a random call with out= is not supported")
     if func in _REFUSED:
+        watch = semantics.watch
+        if watch is not None and watch.torch_nodes:  # NOTE [draws as torch nodes]
+            from .torch_calls import drawing_call
+
+            watch.random_draws += 1
+            out = drawing_call(func, args, kwargs, user_location())
+            if out is not None:
+                return out
         _refuse(name, "its values depend on tensors inside the graph, and ONNX has no op that draws them "
                 "as torch does")
     if func in (F.rrelu, F.rrelu_):

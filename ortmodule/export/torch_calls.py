@@ -56,6 +56,34 @@ def function_call(original, cls, args: tuple, kwargs: dict, where: str):
     return (outs[0] if call.single else tuple(outs)), None
 
 
+def drawing_call(func, args: tuple, kwargs: dict, where: str):
+    """NOTE [draws as torch nodes]: a random call whose values depend on tensors inside the graph
+    (``multinomial`` in ``Categorical.sample()``, ``_standard_gamma`` in ``Gamma`` / ``Beta.rsample()``,
+    ``_sample_dirichlet``, ``poisson``, ``binomial``) as one ``torch_call`` node: torch draws it during the
+    run, from eager's generator, with torch's own gradient (the reparameterised gamma's). It keeps
+    eager's stream only where every draw the graph makes before the run comes first in eager too
+    (NOTE [draws in torch nodes]: the capture refuses it otherwise). Returns None where the call cannot
+    be one (a size computed from an input's shape as an argument)."""
+    define_torch_call_op()
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if any(isinstance(a, _SYM) for a in flat):
+        return None
+    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    template = [None if i in positions else a for i, a in enumerate(flat)]
+
+    def fn(*tensors):
+        leaves = list(template)
+        for i, t in zip(positions, tensors):
+            leaves[i] = t
+        a, k = pytree.tree_unflatten(leaves, spec)
+        return func(*a, **k)
+
+    name = getattr(func, "__name__", str(func))
+    key = register_call(TorchCall(fn, f"torch.{name}", "it draws values that depend on tensors inside the graph: "
+                                  "torch draws them during the run, in eager's order", where))
+    return torch.ops.ortmodule.torch_call([flat[i] for i in positions], key)[0]
+
+
 def ctc_loss_call(args: tuple, kwargs: dict, where: str):
     """NOTE [ctc as a torch node]: ``F.ctc_loss`` as one ``torch_call`` node. Its lengths decide the
     work (torch.export refuses its ATen op as data-dependent, and ONNX has no CTC), so it runs in torch

@@ -20,6 +20,7 @@ from ..passes.proto import node_attrs
 from .session import GraphRunner, make_session_options
 from .torch_nodes import (
     ATEN_OP,
+    CALL_OP,
     GRAD_OP,
     TORCH_DOMAIN,
     decode_args,
@@ -119,6 +120,46 @@ class _TorchStep:
             self.grad_inputs = [int(i) for i in attrs.get("grad_inputs", [])]
 
 
+# NOTE [draw order]: a torch node that draws (a custom Function's noise, ``multinomial`` in
+# ``Categorical.sample()``, a gamma draw) takes its numbers from torch's generator while the graph runs,
+# so drawing nodes must run in eager's order. Phases alone do not keep it: ``a = multinomial(p1)`` after
+# a torch node and ``b = multinomial(p2)`` after none ran b first (phase 0), swapping their streams
+# without a word (loss 1.249 vs eager's 1.237). The capture numbers the drawing calls as the trace meets
+# them (eager's order); a drawing node is held back to the phase of the one drawn before it, and within
+# a phase (whose torch nodes never read each other) they run by that number.
+def _draw_indices(nodes: list[onnx.NodeProto]) -> dict[int, int]:
+    """Position in ``nodes`` -> eager draw index, for the forward torch nodes that draw."""
+    found = {}
+    for i, node in enumerate(nodes):
+        if node.domain == TORCH_DOMAIN and node.op_type == CALL_OP:
+            index = lookup_call(int(node_attrs(node)["key"])).draw_index
+            if index is not None:
+                found[i] = index
+    return found
+
+
+def _phases(nodes: list[onnx.NodeProto], constants: dict, draws: dict[int, int], floor: dict[int, int]) -> list[int]:
+    """Each node's phase (NOTE [segments]); -1 for a constant. ``floor``: position -> the node's least phase."""
+    available: dict[str, int] = {}  # value -> the first segment that can read it
+    phases: list[int] = []
+    for i, node in enumerate(nodes):
+        if node.op_type == "Constant" and not node.input:
+            phases.append(-1)
+            continue
+        phase = max((available.get(x, 0) for x in _reads(node) if x not in constants), default=0)
+        phase = max(phase, floor.get(i, 0))
+        phases.append(phase)
+        after = phase + 1 if node.domain == TORCH_DOMAIN else phase
+        for o in node.output:
+            available[o] = after
+    held, latest = dict(floor), 0
+    for i in sorted(draws, key=draws.get):  # NOTE [draw order]
+        if phases[i] < latest:
+            held[i] = latest
+        latest = max(latest, phases[i])
+    return phases if held == floor else _phases(nodes, constants, draws, held)
+
+
 class SegmentedRunner:
     """Runs one ONNX model holding torch nodes: same interface as :class:`GraphRunner`, plus the
     run's torch-node ``state`` (NOTE [torch nodes])."""
@@ -134,26 +175,27 @@ class SegmentedRunner:
                                          *graph.output]}
         initializers = {t.name: t for t in graph.initializer}
         constants = {o: n for n in graph.node if n.op_type == "Constant" and not n.input for o in n.output}
-        available: dict[str, int] = {}  # value -> the first segment that can read it
-        phases: list[int] = []
-        for node in graph.node:
-            if node.op_type == "Constant" and not node.input:
-                phases.append(-1)
-                continue
-            phase = max((available.get(x, 0) for x in _reads(node) if x not in constants), default=0)
-            phases.append(phase)
-            after = phase + 1 if node.domain == TORCH_DOMAIN else phase
-            for o in node.output:
-                available[o] = after
+        nodes = list(graph.node)
+        draws = _draw_indices(nodes)
+        phases = _phases(nodes, constants, draws, {})
         n_phases = max(phases, default=0) + 1
         used = {x for n in graph.node for x in _reads(n)} | set(self.output_names)
         # plan: per phase, the ORT nodes, then the torch nodes
         ort_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(n_phases)]
         torch_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(n_phases)]
-        for node, phase in zip(graph.node, phases):
+        torch_at: list[list[int]] = [[] for _ in range(n_phases)]
+        for i, (node, phase) in enumerate(zip(nodes, phases)):
             if phase < 0:
                 continue
-            (torch_nodes if node.domain == TORCH_DOMAIN else ort_nodes)[phase].append(node)
+            if node.domain == TORCH_DOMAIN:
+                torch_at[phase].append(i)
+            else:
+                ort_nodes[phase].append(node)
+        for k, at in enumerate(torch_at):  # NOTE [draw order]: one phase's torch nodes never read each other
+            slots = [j for j, i in enumerate(at) if i in draws]
+            for j, i in zip(slots, sorted((at[j] for j in slots), key=draws.get)):
+                at[j] = i
+            torch_nodes[k] = [nodes[i] for i in at]
         later_reads: list[set[str]] = []  # what phases > k read (or the graph returns)
         reads_after: set[str] = set(self.output_names)
         for k in reversed(range(n_phases)):

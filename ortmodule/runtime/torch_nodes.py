@@ -44,6 +44,7 @@ class TorchCall:
     n_outputs: int = 0  # known once the capture ran it (on fake tensors)
     single: bool = True  # fn returns one tensor, not a tuple
     writes_inputs: bool = False  # NOTE [dirty inputs]: it writes an input in place (ctx.mark_dirty)
+    draw_index: int | None = None  # NOTE [draw order]: its place among the capture's drawing torch nodes
     # NOTE [torch node autocast]: a torch node runs with autocast off, as the capture ran it: its
     # kernel runs below the Autocast key (measured: a matmul inside a Function came out fp32 in the
     # capture under fp16 autocast), and the graph holds the casts of everything around it. A custom
@@ -84,7 +85,7 @@ _RANDOM_BUILTINS = frozenset({
     "normal", "normal_", "uniform_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
     "multinomial", "poisson", "binomial", "dropout", "dropout_", "feature_dropout", "feature_dropout_",
     "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
-    "rrelu", "rrelu_", "rrelu_with_noise",
+    "rrelu", "rrelu_", "rrelu_with_noise", "_standard_gamma", "_sample_dirichlet",
 })
 
 
@@ -170,6 +171,8 @@ def define_torch_call_op() -> None:
             with torch._C.DisableTorchFunction(), torch.no_grad(), random_calls as seen:  # no capture-time modes
                 outs, call.single = _invoke(call, xs)
             if seen:
+                if call.draw_index is None:  # NOTE [draw order]: the trace runs in eager order
+                    call.draw_index = len(watch[1])
                 watch[1].append((call, watch[0](), seen[0]))
             call.writes_inputs = call.writes_inputs or any(t._version != v for t, v in zip(xs, versions))
             call.n_outputs = len(outs)
@@ -179,6 +182,14 @@ def define_torch_call_op() -> None:
         lib.impl("torch_call", real, "CompositeExplicitAutograd")
         lib.impl("torch_call", fake, "Meta")
         _defined.append(lib)
+        # NOTE [fake kernels]: the capture runs a torch node on fake tensors for its output shapes; torch
+        # has no fake kernel for ``_sample_dirichlet`` (Beta / Dirichlet ``rsample``, a custom Function
+        # calling it), which made such a model fall back. Its output is its input's shape and dtype.
+        try:
+            torch.library.register_fake("aten::_sample_dirichlet")(
+                lambda self, generator=None: torch.empty_like(self))
+        except RuntimeError:  # a torch that has one
+            pass
 
 
 def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs: Sequence[int],
