@@ -138,6 +138,9 @@ class InputSignature:
     modes: tuple[bool, ...]  # train/eval flag of every submodule
     autocast: tuple  # (enabled, dtype) per device type, see NOTE [autocast]
     grad_enabled: bool
+    # NOTE [default dtype]: what ``torch.zeros(3)`` / ``torch.tensor(0.5)`` in forward make; a graph bakes
+    # it (torch.set_default_dtype(torch.float64) after a first call gave float32 where eager gives float64)
+    default_dtype: torch.dtype = torch.float32
 
     @property
     def training(self) -> bool:
@@ -184,6 +187,7 @@ def make_signature(
         modes=modes,
         autocast=autocast,
         grad_enabled=grad_enabled,
+        default_dtype=torch.get_default_dtype(),
     )
 
 

@@ -362,3 +362,34 @@ def test_tensor_attribute_that_requires_grad_falls_back_and_gets_its_gradient():
         _step(eager, wrapped, x, "the first call", output_rtol=1e-6)
     assert wrapped.module.temperature.grad is not None
     assert_close(wrapped.module.temperature.grad, eager.temperature.grad, 1e-5, "temperature.grad")
+
+
+class MakesConstants(nn.Module):
+    """Makes tensors in forward with the default dtype (a bias, a position table, a scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.linspace(0, 1, 8) * 0.3 + torch.ones(8) * torch.tensor(0.1)
+
+
+def test_default_dtype_changed_between_calls_reexports():
+    """NOTE [default dtype]: the graph baked float32 constants; after torch.set_default_dtype(torch.float64)
+    eager's output is float64 (the constants promote it), the graph's stayed float32 without a word."""
+    torch.manual_seed(0)
+    eager = MakesConstants()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(64, 8)
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            ye, yo = eager(x), wrapped(x)
+            assert yo.dtype == ye.dtype == dtype
+            assert_close(yo, ye, 1e-6, f"output under default {dtype}")
+            yo.sum().backward()
+        finally:
+            torch.set_default_dtype(previous)
+    assert wrapped.stats.exports == 2 and wrapped.stats.fallbacks == 0

@@ -781,9 +781,30 @@ def _prepare(ep):
             if left & set(table):  # decompositions that produce ops needing their own
                 ep = ep.run_decompositions(table)
             ep._graph_module = _fx_passes.remove_assertion_nodes(ep.graph_module)
+        if torch.get_default_dtype() != torch.float32:
+            _explicit_factory_dtypes(ep.graph_module)
         if _needs_type_promotion(ep.graph_module):
             _fx_passes.insert_type_promotion_nodes(ep.graph_module)
     return ep
+
+
+def _explicit_factory_dtypes(gm) -> None:
+    """NOTE [default dtype]: torchlib writes a factory call without ``dtype`` (``torch.ones(8)``) as
+    float32, whatever ``torch.get_default_dtype()`` made it in the trace: under float64 the graph then
+    mixed float and double and onnxruntime refused it. The dtype the trace recorded is made explicit."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            target = node.target
+            if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                    or node.kwargs.get("dtype") is not None or node.all_input_nodes:
+                continue
+            val = node.meta.get("val")
+            names = [a.name for a in target._schema.arguments if a.kwarg_only]
+            if "dtype" in names and isinstance(val, torch.Tensor):
+                node.kwargs = {**node.kwargs, "dtype": val.dtype}
+        module.recompile()
 
 
 def _prepared(ep, name: str):
