@@ -855,3 +855,57 @@ def test_buffers_bound_anew_in_forward_are_written_back_or_fall_back(how):
         assert falls and all("binds new tensors to the buffer(s) cos_cached" in f for f in falls)
     else:
         assert not falls and wrapped.stats.fallbacks == 0
+
+
+# -- asserts and raises on tensor values (NOTE [value checks]) ---------------------------------------------
+
+
+# pytest rewrites the asserts of test modules into its own code, so the model lives in a plain module
+from .guarded import Guarded  # noqa: E402
+
+
+def test_asserts_and_raises_on_tensor_values_run_in_ort_and_raise_eagers_error():
+    """``assert cond``, ``assert not cond``, ``torch._assert`` and ``if cond: raise`` each only decide
+    whether to raise: the check is computed in the graph and the trace goes past the raise; a failing
+    check makes the eager forward raise its own error, with eager's BatchNorm statistics and generator.
+    They all fell back before (a read of tensor values into Python); a real branch still does."""
+    torch.manual_seed(0)
+    eager = Guarded()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, wrapped)]
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4096, 16, generator=g) for _ in range(3)]
+    for step, x in enumerate(batches):
+        losses = []
+        for m, opt in zip((eager, wrapped), opts):
+            opt.zero_grad()
+            torch.manual_seed(step)
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        assert_close(losses[1], losses[0], 1e-5, f"loss at step {step}")
+        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
+            assert_close(po, pe, 1e-5, f"{name} after step {step}")
+    assert wrapped.stats.fallbacks == 0
+    bad_nan, outlier = batches[0].clone(), batches[1].clone()
+    bad_nan[5, 5] = float("nan")
+    outlier[7] *= 1e3
+    for x, error, match in ((bad_nan, AssertionError, "NaN in the input"),
+                            (batches[1] * 1e6, AssertionError, "input out of range"),
+                            (outlier, ValueError, "an outlier after the BatchNorm")):
+        states = []
+        for m in (eager, wrapped):
+            torch.manual_seed(9)
+            with pytest.raises(error, match=match):
+                m(x)
+            states.append(torch.get_rng_state())
+        assert torch.equal(states[0], states[1])
+        for (name, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
+            torch.testing.assert_close(bo, be, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+    torch.manual_seed(3)
+    assert_close(wrapped(batches[2]), (torch.manual_seed(3), eager(batches[2]))[1], 1e-5, "after the errors")
+    assert wrapped.stats.fallbacks == 0
+    branched = ORTModule(Guarded(branch=True))
+    with pytest.warns(UserWarning, match="reads tensor values"):
+        branched(batches[0])

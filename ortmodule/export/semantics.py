@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
 import math
+import os
+import sys
 import threading
 
 import torch
@@ -604,6 +607,51 @@ def masks_to_inputs(model, masks: list, input_name, dynamic: bool = False) -> No
 
 
 _PLAIN = object()  # a call traced as it is
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DISPATCH_FILES = (os.path.join("torch", "overrides.py"), os.path.join("torch", "utils", "_python_dispatch.py"))
+_JUMPS: dict = {}  # code object -> {offset of a jump over ``raise AssertionError``: its answer}
+
+
+def assert_jump() -> bool | None:
+    """NOTE [value checks]: whether the ``bool(tensor)`` being taken only decides whether to raise: the
+    innermost frame outside ortmodule and torch's dispatch is at a conditional jump whose fall-through
+    is straight code ending in ``raise`` (``assert cond``, ``if not cond: raise ValueError(...)``,
+    ``if torch.isnan(loss): raise ...``). Returns the answer that skips the raise: True where the jump
+    is taken on a true value (``assert cond``), False where on a false one (``if cond: raise``); None
+    for any other use (a branch), which stays a value read."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename.endswith(_DISPATCH_FILES)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    jumps = _JUMPS.get(code)
+    if jumps is None:
+        jumps = _raise_jumps(code)
+        _JUMPS[code] = jumps
+    return jumps.get(frame.f_lasti)
+
+
+def _raise_jumps(code) -> dict[int, bool]:
+    """Offset of each conditional jump over a raise -> the truth value that takes the jump."""
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG", "NOT_TAKEN")]
+    found: dict[int, bool] = {}
+    for k, at in enumerate(ins):
+        j = k + 1 if at.opname == "TO_BOOL" else k  # 3.13: the conversion precedes the jump
+        if j >= len(ins) or "JUMP" not in ins[j].opname:
+            continue
+        jump = ins[j].opname
+        answer = True if jump.endswith("IF_TRUE") else False if jump.endswith("IF_FALSE") else None
+        if answer is None:
+            continue
+        for follow in ins[j + 1:]:
+            if follow.opname == "RAISE_VARARGS" and follow.arg:
+                found[at.offset] = answer
+                break
+            if follow.is_jump_target or "JUMP" in follow.opname or follow.opname.startswith(("RETURN", "YIELD")):
+                break
+    return found
 
 
 class _Base(TorchFunctionMode):
@@ -643,6 +691,14 @@ class _Base(TorchFunctionMode):
                 out = stop_gradient(args[0])
                 self.watch.data_view(out, args[0])
                 return out
+            if func is torch._assert and not inside_call() and isinstance(args[0], torch.Tensor) \
+                    and args[0].numel() == 1:
+                self.value_check(args[0] != 0)  # NOTE [value checks]
+                return None
+            if func is torch.Tensor.__bool__ and not inside_call() and args[0].numel() == 1:
+                passes = assert_jump()
+                if passes is not None:  # NOTE [value checks]: ``assert cond`` / ``assert not cond``
+                    return self.value_check(args[0] != 0 if passes else args[0] == 0, passes)
             self.watch.on_call(func, args)
             out = rewrite(func, args, kwargs, self.watch)
             if out is not NOT_REWRITTEN:
@@ -983,9 +1039,13 @@ class ExportSemantics(_Base):
     # each run, before anything is written back: where it is false, the eager forward runs on the same
     # inputs and raises eager's own ValueError (the one that names the parameter and its values). The
     # trace carries on as if the check passed.
-    def value_check(self, valid: torch.Tensor) -> bool:
+    # An ``assert`` on a tensor in forward (``assert torch.isfinite(x).all()``, ``assert not mask.any()``,
+    # ``torch._assert(cond, msg)``) is the same kind of check: its ``bool(tensor)`` is seen with the
+    # frame's next instructions, a conditional jump over ``raise AssertionError`` (:func:`assert_jump`),
+    # and answered so that the trace goes on past the raise.
+    def value_check(self, valid: torch.Tensor, answer: bool = True) -> bool:
         self.checks.append((valid.all(), user_location()))
-        return True
+        return answer
 
     def dropout(self, x, p, keep: int = 0):
         if p >= 1.0:
