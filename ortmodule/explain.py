@@ -70,6 +70,7 @@ class Explanation:
     recompute: RecomputePlan | None = None  # the training graphs' recompute plan (NOTE [recompute])
     torch_nodes: list[TorchNode] = dataclasses.field(default_factory=list)  # NOTE [torch nodes]
     value_checks: list[str] = dataclasses.field(default_factory=list)  # NOTE [value checks]: where each was made
+    stored_outputs: list[str] = dataclasses.field(default_factory=list)  # NOTE [stored tensors as outputs]
 
     @property
     def would_fall_back(self) -> bool:
@@ -102,6 +103,9 @@ class Explanation:
             lines.append(f"  other random tensors drawn by torch per step: {self.random_draws}")
         if self.mutated_buffers:
             lines.append(f"  buffers updated each step: {', '.join(self.mutated_buffers)}")
+        if self.stored_outputs:
+            lines.append(f"  tensors the graph returns and sets on the module after each run: "
+                         f"{', '.join(self.stored_outputs)}")
         if self.value_checks:
             lines.append(f"  value checks computed in the graph, eager's error raised where one fails "
                          f"({len(self.value_checks)}): {'; '.join(self.value_checks)}")
@@ -158,6 +162,8 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             probe(*args, **kwargs)
+            if not probe._entries._data and not probe.stats.fallbacks:
+                probe(*args, **kwargs)  # NOTE [stored tensors as outputs]: the first graph was this call's only
     except Exception as exc:  # the call itself would raise this
         call_error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -200,6 +206,7 @@ def explain(model: nn.Module, *args: Any, **kwargs: Any) -> Explanation:
         random_draws=sum(not isinstance(s, MaskSpec) for s in exported.masks),
         mutated_buffers=[buffer_names[i][0] for i in exported.mutated_buffers],
         value_checks=list(exported.checks),
+        stored_outputs=[f"{path}.{name}" if path else name for path, name in exported.stored],
         needs_grad=needs_grad,
         falls_back=stats.fallbacks > 0,
         reason=stats.last_fallback_reason,

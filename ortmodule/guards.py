@@ -28,6 +28,7 @@ import inspect
 import os
 import sys
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,8 +103,9 @@ def _value_key(v: Any, seen: dict[int, tuple | None]) -> Any:
 
 def _module_key(m: nn.Module, seen: dict[int, tuple | None]) -> tuple:
     d = m.__dict__
+    outputs = _STORED.get(m, ())
     attrs = tuple([(k, v if isinstance(v, _ATOMIC) else _value_key(v, seen)) for k, v in d.items()
-                   if k not in _SKIP])
+                   if k not in _SKIP and k not in outputs])
     return (id(m), attrs, tuple(d["_forward_hooks"]), tuple(d["_forward_pre_hooks"]), tuple(d["_backward_hooks"]),
             tuple(d["_backward_pre_hooks"]))
 
@@ -123,6 +125,28 @@ def plain_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
 # value, logged as that step's every step after. The graph cannot set an attribute, so such a
 # signature falls back naming the attribute, with what the trace stored put back first.
 _CONTAINERS = (list, tuple, dict)
+
+
+# NOTE [stored tensors as outputs]: under the torch.export front end, a tensor the forward stores in a
+# plain attribute (``self.aux_loss = ...``, ``self.last_attn = w.detach()``) is returned by the graph
+# after the user outputs, counted among them (a stored aux loss added to the loss gets its gradient),
+# and set on the module after each run, as eager's forward sets it. Refused (a fallback naming it, as
+# before): a container (a list appended to, a dict), and a slot whose previous tensor the graph reads
+# (``self.stat = 0.9 * self.stat + ...`` as a plain attribute: the graph would keep the value it read;
+# seen as that tensor among the program's lifted constants). A slot that held no tensor before the
+# trace (None, absent: a cache built on the first call, ``if self.cache is None``) makes the graph
+# this call's only, kept out of every cache: the next call traces again with the tensor in place,
+# taking eager's branch. The slots the module guard then leaves out (they change on every call).
+_STORED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # submodule -> attribute names
+
+
+def mark_stored(module: nn.Module, slots) -> None:
+    """Leave the ``(path, attribute)`` slots a graph sets after each run out of the module guard."""
+    for path, name in slots:
+        m = module.get_submodule(path)
+        names = _STORED.get(m, frozenset())
+        if name not in names:
+            _STORED[m] = names | {name}
 
 
 def tensor_slots(module: nn.Module) -> dict[tuple[str, str], tuple]:
@@ -230,12 +254,17 @@ def stored_names(before: dict, after: dict, managed: set = frozenset()) -> list[
     return [k for k, v in after.items() if (k not in before or before[k][1] != v[1]) and k not in managed]
 
 
-def stored_tensors_message(name: str, stored: list[tuple[str, str]], buffers: list[tuple[str, str]] = ()) -> str:
+def stored_tensors_message(name: str, stored: list[tuple[str, str]], buffers: list[tuple[str, str]] = (),
+                           read: bool = False) -> str:
     def dotted(keys):
         return ", ".join(f"{path + '.' if path else ''}{attr}" for path, attr in keys)
 
     parts = []
-    if stored:
+    if stored and read:
+        parts.append(f"{name}.forward reads and stores again the tensor attribute(s) {dotted(stored)}: the graph "
+                     "would keep the value it read (NOTE [stored tensors as outputs]). Register it as a buffer and "
+                     "update it in place under torch.no_grad() (self.stat.mul_(0.9).add_(...)), or return it")
+    elif stored:
         parts.append(f"{name}.forward stores tensors it computes on the module ({dotted(stored)}): a compiled graph "
                      "cannot set them on later calls, which would keep the traced values (NOTE [stored tensors]). "
                      "Return them from forward instead")

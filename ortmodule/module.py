@@ -32,6 +32,7 @@ from .guards import (
     buffer_slots,
     find_change,
     hook_managed,
+    mark_stored,
     plain_tensors,
     put_back_attributes,
     reassigned,
@@ -170,9 +171,11 @@ def _put_back_stored(module: nn.Module, before: dict, buffers: dict) -> tuple[li
 
 def _refuse_stored_tensors(module: nn.Module, entry, before: dict, buffers: dict) -> object:
     """Put back what the trace stored on the module or bound to its buffers; a signature whose forward
-    does either falls back naming them (NOTE [stored tensors], NOTE [buffer reassigned])."""
+    does either falls back naming them (NOTE [stored tensors], NOTE [buffer reassigned]), unless the
+    graph returns them (NOTE [stored tensors as outputs])."""
     stored, rebound = _put_back_stored(module, before, buffers)
-    refused = [k for k in stored if k not in hook_managed(module)]  # put back, but traced: no refusal
+    outputs = set(entry.exported.stored) if isinstance(entry, CompiledEntry) else set()
+    refused = [k for k in stored if k not in hook_managed(module) and k not in outputs]  # put back, but traced
     if isinstance(entry, ORTModuleError) or not (refused or rebound):
         return entry
     return ExportError(stored_tensors_message(type(module).__name__, refused, rebound))
@@ -441,6 +444,8 @@ class ORTModule(nn.Module):
                 if refused is not entry and self._options.fallback is FallbackPolicy.RAISE:
                     raise refused
                 entry = refused
+                if isinstance(entry, CompiledEntry) and entry.exported.stored and not entry.exported.stored_provisional:
+                    mark_stored(module, entry.exported.stored)  # before the guard's snapshot below
                 if isinstance(entry, ORTModuleError):
                     put_back_attributes(module, attrs)  # the eager forward below makes the writes, once
                 if not isinstance(entry, ORTModuleError):
@@ -523,6 +528,12 @@ class ORTModule(nn.Module):
                 _set_rng_states(rng)
             module(*args, **kwargs)
             raise
+        if exported.stored:  # NOTE [stored tensors as outputs]
+            n_user = exported.num_user_outputs
+            for (path, name), t in zip(exported.stored, outs[n_user - len(exported.stored):n_user]):
+                setattr(module.get_submodule(path), name, t)
+            if exported.stored_provisional:
+                self.clear_cache()
         result = exported.output_spec.rebuild(outs, flat.tensors)
         if check is not None:
             try:
@@ -741,6 +752,8 @@ class ORTModule(nn.Module):
                     if has_torch_nodes(exported.model):  # NOTE [torch nodes]: a per-process table
                         logger.info("%s's graph holds torch nodes: not written to the compile cache",
                                     type(self.module).__name__)
+                        return exported
+                    if exported.stored_provisional:  # NOTE [stored tensors as outputs]: this call's only
                         return exported
                     exported.cache_key = key
                     sources = disk_cache.source_files(self.module, exported.source_files)

@@ -751,13 +751,16 @@ def test_hooks_a_trace_registered_are_put_back_with_its_attributes(read_value):
 
 class StoresTensors(nn.Module):
     """Tensors a forward keeps on the module: an attention map for plots, a router's auxiliary loss the
-    training loop adds (with its gradient), a dict of metrics, a history list appended to."""
+    training loop adds (with its gradient), a cache built on the first call (then stale, as in eager), a
+    dict of metrics, a history list appended to, a running statistic as a plain attribute."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 2)
         self.how = how
         self.history: list = []
+        self.aux_loss = self.cache = None
+        self.stat = torch.zeros(())
 
     def forward(self, x):
         w = (self.q(x) @ self.k(x).transpose(-1, -2)).softmax(-1)
@@ -767,25 +770,42 @@ class StoresTensors(nn.Module):
             self.aux_loss = w.square().mean()
         elif self.how == "metrics":
             self.metrics = {"entropy": -(w * w.log()).sum(-1).mean().detach()}
-        else:
+        elif self.how == "history":
             self.history.append(w.amax().detach())
-        return self.out(w @ x)
+        elif self.how == "stat":
+            self.stat = 0.9 * self.stat + 0.1 * w.detach().amax()
+        elif self.cache is None:
+            self.cache = self.q.weight.detach().sum(0).clone()  # the first call's weights, for good
+        out = w @ x
+        return self.out(out + self.cache if self.how == "cache" else out)
 
 
-@pytest.mark.parametrize("how", ["attention", "aux_loss", "metrics", "history"])
-def test_tensors_stored_on_the_module_fall_back_naming_them(how):
+# under torch.export, plain tensor attributes are graph outputs set after each run (NOTE [stored tensors
+# as outputs]); containers and a value the graph reads back fall back
+_STORED_IN_ORT = {"attention", "aux_loss", "cache"}
+
+
+@pytest.mark.parametrize("how", ["attention", "aux_loss", "cache", "metrics", "history", "stat"])
+def test_tensors_stored_on_the_module_are_set_or_fall_back_naming_them(how):
     """NOTE [stored tensors]: the graph cannot set an attribute; the trace left a FakeTensor there (torch.export)
-    or the first call's value for good (TorchScript: the logged entropy was the same every step)."""
+    or the first call's value for good (TorchScript: the logged entropy was the same every step). Under
+    torch.export a plain tensor attribute is now a graph output set after each run, at eager's values (an
+    aux loss with its gradient; a cache built on the first call stays the first call's, as in eager)."""
     torch.manual_seed(0)
     eager = StoresTensors(how)
     model = copy.deepcopy(eager)
     wrapped = ORTModule(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, wrapped)]
     g = torch.Generator().manual_seed(1)
-    with pytest.warns(UserWarning, match="stores tensors it computes on the module"):
+    in_ort = TORCH_EXPORT and how in _STORED_IN_ORT
+    match = "reads and stores again" if how == "stat" and TORCH_EXPORT else "stores tensors it computes on the module"
+    with warnings.catch_warnings() if in_ort else pytest.warns(UserWarning, match=match):
+        if in_ort:
+            warnings.simplefilter("error", UserWarning)
         for step in range(3):
             x = torch.randn(64, 32, 16, generator=g)  # 2048 rows of 32 tokens
-            for m in (eager, wrapped):
-                m.zero_grad()
+            for m, opt in zip((eager, wrapped), opts):
+                opt.zero_grad()
                 m.out_ = m(x)
                 loss = m.out_.square().mean()
                 if how == "aux_loss":
@@ -794,11 +814,19 @@ def test_tensors_stored_on_the_module_fall_back_naming_them(how):
             assert_close(wrapped.out_, eager.out_, 1e-5, f"output at step {step}")
             for (name, pe), (_, po) in zip(eager.named_parameters(), model.named_parameters()):
                 assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad at step {step}")
-            stored = {"attention": lambda m: m.last_attn, "aux_loss": lambda m: m.aux_loss,
-                      "metrics": lambda m: m.metrics["entropy"], "history": lambda m: torch.stack(m.history)}[how]
+            stored = {"attention": lambda m: m.last_attn, "aux_loss": lambda m: m.aux_loss, "cache": lambda m: m.cache,
+                      "metrics": lambda m: m.metrics["entropy"], "history": lambda m: torch.stack(m.history),
+                      "stat": lambda m: m.stat}[how]
             assert type(stored(model)) is torch.Tensor  # no FakeTensor left behind
             assert_close(stored(model), stored(eager), 1e-5, f"the stored value at step {step}")
-    assert wrapped.stats.fallbacks == 1
+            for opt in opts:
+                opt.step()
+    assert wrapped.stats.fallbacks == int(not in_ort)
+    if in_ort and how != "cache":  # the cache is stored once: the graph that stays reads it as a constant
+        from ortmodule import explain
+
+        report = str(explain(StoresTensors(how), torch.randn(4, 8, 16)))
+        assert "sets on the module after each run" in report, report
 
 
 class RebindsBuffers(nn.Module):

@@ -474,8 +474,13 @@ def export_program(
     trap = wrapper.watch.failure()
     if trap is not None:
         raise ExportError(f"{name}: {trap}")
-    if getattr(wrapper, "tensor_stores", None):
-        raise ExportError(stored_tensors_message(name, wrapper.tensor_stores))
+    left = [k for k in getattr(wrapper, "tensor_stores", None) or () if k not in wrapper.stored]
+    if left:
+        raise ExportError(stored_tensors_message(name, left))
+    read = [k for k, old in zip(wrapper.stored, wrapper.stored_before)
+            if old is not None and any(c is old for c in ep.constants.values())]
+    if read:  # NOTE [stored tensors as outputs]: the graph would keep the value it read
+        raise ExportError(stored_tensors_message(name, read, read=True))
     _refuse_draws_before(node_draws, len(wrapper.semantics.masks), name)
     traced = _traced_files(ep)
     if wrapper.output_spec is None:
@@ -522,6 +527,8 @@ def export_program(
         num_user_outputs=wrapper.num_user_outputs,
         mutated_buffers=wrapper.mutated,
         checks=wrapper.checks,
+        stored=wrapper.stored,
+        stored_provisional=any(old is None for old in wrapper.stored_before),
         opset=opset,
         masks=masks,
         dynamic=dynamic,
@@ -563,10 +570,13 @@ class _Captured(_Flat):
     """The flat wrapper, keeping what its forward learns: torch.export puts back the attributes of
     the module it captures after the trace (containers included), so they go to a sink function."""
 
-    _KEPT = ("output_spec", "num_user_outputs", "mutated", "checks", "semantics", "forward_error")
+    _KEPT = ("output_spec", "num_user_outputs", "mutated", "checks", "semantics", "forward_error", "stored",
+             "stored_before")
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
+        self.stored: tuple[tuple[str, str], ...] = ()  # NOTE [stored tensors as outputs]
+        self.stored_before: tuple = ()
         record: dict = {}
         self._sink = record.update
         self._read = lambda: dict(record)
@@ -576,7 +586,21 @@ class _Captured(_Flat):
         before = atomic_attributes(module)
         slots = tensor_slots(module)
         try:
-            return super().forward(*tensors)
+            outs = super().forward(*tensors)
+            now = tensor_slots(module)
+            stores = stored_names(slots, now, hook_managed(module))
+            user = tensors[:len(self.flat.tensors)]
+            if stores and all(isinstance(now[k][0], torch.Tensor) and not any(now[k][0] is t for t in user)
+                              for k in stores):  # an input stored as it is: refused (the exporter breaks)
+                # NOTE [stored tensors as outputs]: after the user outputs, counted among them (a stored
+                # aux loss gets its gradient), set on the module after each run
+                n = self.num_user_outputs
+                outs = outs[:n] + tuple(now[k][0] for k in stores) + outs[n:]
+                self.num_user_outputs = n + len(stores)
+                self.stored = tuple(stores)
+                self.stored_before = tuple(slots[k][0] if k in slots and isinstance(slots[k][0], torch.Tensor)
+                                           else None for k in stores)
+            return outs
         finally:
             after = atomic_attributes(module)
             writes = {k: v for k, v in after.items() if k not in before or before[k] != v}

@@ -99,6 +99,10 @@ class ExportedModel:
     # NOTE [value checks]: where the forward checked values (torch.distributions' validation); where
     # there are any, one boolean output after the mutated buffers says whether all of them held.
     checks: tuple[str, ...] = ()
+    # NOTE [stored tensors as outputs]: the (submodule path, attribute) slots the forward stores a tensor
+    # in, returned as the last user outputs; provisional: one held no tensor before the trace
+    stored: tuple[tuple[str, str], ...] = ()
+    stored_provisional: bool = False
 
 
 @contextlib.contextmanager
