@@ -496,8 +496,8 @@ class ORTModule(nn.Module):
         if fresh and self._options.verify:  # NOTE [verify leaves no trace]: before the masks are drawn
             check = Verification(self, sig, flat.tensors, params, param_names, args, kwargs, device)
         # NOTE [value checks], NOTE [run errors]: an eager forward that raises eager's error starts where
-        # eager's would, the masks' draws undone (~1 us)
-        rng = _rng_states(device) if exported.masks else None
+        # eager's would, the draws of the masks and of torch nodes undone (~1 us)
+        rng = _rng_states(device) if exported.masks or exported.checks or entry.has_torch_nodes else None
         masks = [spec.draw(device, flat.tensors) for spec in exported.masks]
         tensors = [*flat.tensors, *params, *buffers, *masks]
         mutated = tuple(buffers[i] for i in exported.mutated_buffers)
