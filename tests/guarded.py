@@ -20,7 +20,10 @@ class Guarded(nn.Module):
 
     def forward(self, x):
         assert not torch.isnan(x).any(), "NaN in the input"
-        torch._assert((x.abs() < 1e4).all(), "input out of range")
+        if torch.isinf(x).any() or (x.abs() > 1e5).any():
+            raise ValueError("inf or huge values in the input")
+        torch._assert((x.abs() < 3e4).all(), "input beyond 3e4")
+        assert (x > -1e4).all() and (x < 1e4).all(), "input out of range"
         z = self.norm(self.lin(x))
         if (z.abs() > 50).any():
             raise ValueError("an outlier after the BatchNorm")

@@ -893,10 +893,11 @@ from .guarded import Guarded  # noqa: E402
 
 
 def test_asserts_and_raises_on_tensor_values_run_in_ort_and_raise_eagers_error():
-    """``assert cond``, ``assert not cond``, ``torch._assert`` and ``if cond: raise`` each only decide
-    whether to raise: the check is computed in the graph and the trace goes past the raise; a failing
-    check makes the eager forward raise its own error, with eager's BatchNorm statistics and generator.
-    They all fell back before (a read of tensor values into Python); a real branch still does."""
+    """``assert cond``, ``assert not cond``, ``assert a and b``, ``torch._assert``, ``if cond: raise`` and
+    ``if a or b: raise`` each only decide whether to raise: the check is computed in the graph and the
+    trace goes past the raise; a failing check makes the eager forward raise its own error, with eager's
+    BatchNorm statistics and generator. They all fell back before (a read of tensor values into Python);
+    a real branch still does."""
     torch.manual_seed(0)
     eager = Guarded()
     wrapped = ORTModule(copy.deepcopy(eager))
@@ -919,8 +920,13 @@ def test_asserts_and_raises_on_tensor_values_run_in_ort_and_raise_eagers_error()
     bad_nan, outlier = batches[0].clone(), batches[1].clone()
     bad_nan[5, 5] = float("nan")
     outlier[7] *= 1e3
+    inf, unit = batches[2].clone(), batches[1] / batches[1].abs().max()
+    inf[3, 1] = float("inf")
     for x, error, match in ((bad_nan, AssertionError, "NaN in the input"),
-                            (batches[1] * 1e6, AssertionError, "input out of range"),
+                            (inf, ValueError, "inf or huge"),  # the first operand of an ``or``
+                            (batches[1] * 1e6, ValueError, "inf or huge"),  # the second
+                            (unit * 5e4, AssertionError, "input beyond 3e4"),  # torch._assert
+                            (unit * 2e4, AssertionError, "input out of range"),  # an ``and`` in an assert
                             (outlier, ValueError, "an outlier after the BatchNorm")):
         states = []
         for m in (eager, wrapped):

@@ -634,23 +634,33 @@ def assert_jump() -> bool | None:
 
 
 def _raise_jumps(code) -> dict[int, bool]:
-    """Offset of each conditional jump over a raise -> the truth value that takes the jump."""
+    """Offset of each conditional jump over a raise -> the truth value that skips the raise: the jump's
+    own where its fall-through raises (``assert cond``, ``if cond: raise``), the other where its target
+    does (the first operands of ``if a or b: raise`` and of ``assert a and b``: each must come out so)."""
     ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG", "NOT_TAKEN")]
+    at_offset = {i.offset: k for k, i in enumerate(ins)}
+
+    def raises(start: int) -> bool:  # straight code from ins[start] ending in raise (others may join it)
+        for follow in ins[start:]:
+            if follow.opname == "RAISE_VARARGS" and follow.arg:
+                return True
+            if "JUMP" in follow.opname or follow.opname.startswith(("RETURN", "YIELD")):
+                return False
+        return False
+
     found: dict[int, bool] = {}
     for k, at in enumerate(ins):
         j = k + 1 if at.opname == "TO_BOOL" else k  # 3.13: the conversion precedes the jump
         if j >= len(ins) or "JUMP" not in ins[j].opname:
             continue
         jump = ins[j].opname
-        answer = True if jump.endswith("IF_TRUE") else False if jump.endswith("IF_FALSE") else None
-        if answer is None:
+        taken = True if jump.endswith("IF_TRUE") else False if jump.endswith("IF_FALSE") else None
+        if taken is None:
             continue
-        for follow in ins[j + 1:]:
-            if follow.opname == "RAISE_VARARGS" and follow.arg:
-                found[at.offset] = answer
-                break
-            if follow.is_jump_target or "JUMP" in follow.opname or follow.opname.startswith(("RETURN", "YIELD")):
-                break
+        if raises(j + 1):
+            found[at.offset] = taken
+        elif at_offset.get(ins[j].argval) is not None and raises(at_offset[ins[j].argval]):
+            found[at.offset] = not taken
     return found
 
 
@@ -1040,9 +1050,11 @@ class ExportSemantics(_Base):
     # inputs and raises eager's own ValueError (the one that names the parameter and its values). The
     # trace carries on as if the check passed.
     # An ``assert`` on a tensor in forward (``assert torch.isfinite(x).all()``, ``assert not mask.any()``,
-    # ``torch._assert(cond, msg)``) is the same kind of check: its ``bool(tensor)`` is seen with the
-    # frame's next instructions, a conditional jump over ``raise AssertionError`` (:func:`assert_jump`),
-    # and answered so that the trace goes on past the raise.
+    # ``assert a.all() and b.all()``, ``torch._assert(cond, msg)``) or an ``if ...: raise`` (with ``or``
+    # between operands) is the same kind of check: its ``bool(tensor)`` is seen at a conditional jump
+    # over, or into, straight code ending in ``raise`` (:func:`assert_jump`), and answered so that the
+    # trace goes on past the raise. ``if a.any() and b.any(): raise`` is not (the first operand alone
+    # does not decide it): a value read, as any branch.
     def value_check(self, valid: torch.Tensor, answer: bool = True) -> bool:
         self.checks.append((valid.all(), user_location()))
         return answer
