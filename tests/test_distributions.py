@@ -242,3 +242,27 @@ def test_validation_off_adds_no_check():
         assert ("value checks computed in the graph" in report) == validate, report
         for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
             assert_close(po.grad, pe.grad, 1e-5, f"{name}.grad")
+
+
+def test_checks_hold_across_batch_sizes():
+    """A new batch size exports a graph with symbolic sizes (NOTE [static first]); the value checks go with
+    it: eager's numbers at every size, and a NaN at a size not seen before still raises eager's error."""
+    torch.manual_seed(0)
+    eager, wrapped = _both(ActorCritic())
+    for step, n in enumerate((512, 384, 640, 384)):
+        batch = _ppo_batch(step, n)
+        losses = []
+        for m in (eager, wrapped):
+            torch.manual_seed(step)
+            loss = m(*batch)
+            loss.backward()
+            losses.append(loss)
+        assert_close(losses[1], losses[0], 1e-5, f"loss at batch {n}")
+    # TorchScript: distributions' broadcast check reads traced sizes, so each shape gets its own graph
+    assert wrapped.stats.fallbacks == 0 and wrapped.stats.exports <= by_frontend(5, 3)
+    obs, action, cont, adv = _ppo_batch(9, 256)
+    obs[0, 0] = float("nan")
+    for m in (eager, wrapped):
+        with pytest.raises(ValueError, match="Expected parameter logits"):
+            m(obs, action, cont, adv)
+    assert wrapped.stats.fallbacks == 0
