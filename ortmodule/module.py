@@ -512,8 +512,7 @@ class ORTModule(nn.Module):
                 write_back(mutated, results[n_user : n_user + len(mutated)])
                 outs = results[:n_user]
         except ValueCheckFailed:  # NOTE [value checks]: eager raises its own error (nothing was written back)
-            if rng is not None:
-                _set_rng_states(rng)
+            _set_rng_states(rng)
             out = module(*args, **kwargs)
             self._guard = self._exported_guard = snapshot(module)[1]
             return out
@@ -524,8 +523,7 @@ class ORTModule(nn.Module):
             # onnxruntime, with its node's message. Eager's own error names the user's line: the
             # eager forward runs on the same inputs and raises it. If eager runs, the failure is
             # ortmodule's and is raised as it is.
-            if rng is not None:
-                _set_rng_states(rng)
+            _set_rng_states(rng)
             module(*args, **kwargs)
             raise
         if exported.stored:  # NOTE [stored tensors as outputs]
@@ -860,7 +858,10 @@ def _rng_states(device: torch.device) -> tuple:
     return torch.get_rng_state(), device, cuda
 
 
-def _set_rng_states(states: tuple) -> None:
+def _set_rng_states(states: tuple | None) -> None:
+    """Put back what :func:`_rng_states` took (None: nothing was taken, the graph draws nothing)."""
+    if states is None:
+        return
     cpu, device, cuda = states
     torch.set_rng_state(cpu)
     if cuda is not None:

@@ -79,8 +79,10 @@ def train_side_by_side(
     optimizer: Callable = lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     kwargs_fn: Callable | None = None,
     atol: float = 1e-6,
+    seed: int | None = None,
 ) -> ORTModule:
-    """Train copies of ``model`` eagerly and through ORTModule; compare loss, every .grad and parameter."""
+    """Train copies of ``model`` eagerly and through ORTModule; compare loss, every .grad and parameter.
+    ``seed``: each forward draws from ``torch.manual_seed(seed + step)``, so dropout masks are eager's."""
     eager = copy.deepcopy(model)
     wrapped = ORTModule(copy.deepcopy(model))
     opt_e, opt_o = optimizer(eager.parameters()), optimizer(wrapped.parameters())
@@ -90,6 +92,8 @@ def train_side_by_side(
         outs = []
         for m, opt in ((eager, opt_e), (wrapped, opt_o)):
             opt.zero_grad(set_to_none=True)
+            if seed is not None:
+                torch.manual_seed(seed + step)
             out = m(**kwargs_fn(batch)) if kwargs_fn else m(*batch)
             loss = loss_fn(out, batch)
             loss.backward()

@@ -14,7 +14,7 @@ from torch import nn
 
 from ortmodule import ORTModule, explain
 
-from .helpers import TORCH_EXPORT, assert_close, by_frontend
+from .helpers import TORCH_EXPORT, assert_close, by_frontend, train_side_by_side
 
 N_ROWS = 8192
 
@@ -53,31 +53,6 @@ def _both(model: nn.Module):
     return eager, wrapped
 
 
-def _train(model: nn.Module, batches: list[tuple], steps: int = 3, rtol: float = 2e-5) -> ORTModule:
-    """AdamW steps side by side, each forward drawing its dropout masks from the same seed: the loss,
-    every .grad, the parameters and buffers after each step equal eager's."""
-    eager, wrapped = _both(model)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, wrapped)]
-    for step in range(steps):
-        losses = []
-        for m, opt in zip((eager, wrapped), opts):
-            opt.zero_grad(set_to_none=True)
-            torch.manual_seed(100 + step)
-            loss = m(*batches[step % len(batches)])
-            loss.backward()
-            losses.append(loss)
-        assert_close(losses[1], losses[0], rtol, f"loss at step {step}")
-        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
-            assert_close(po.grad, pe.grad, rtol, f"{name}.grad at step {step}")
-        for opt in opts:
-            opt.step()
-        for (name, pe), (_, po) in zip(eager.named_parameters(), wrapped.named_parameters()):
-            assert_close(po, pe, rtol, f"{name} after step {step}")
-        for (name, be), (_, bo) in zip(eager.named_buffers(), wrapped.named_buffers()):
-            assert_close(bo.double(), be.double(), rtol, f"buffer {name} after step {step}")
-    return wrapped
-
-
 def test_a_policy_with_distributions_trains_in_ort_like_eager():
     """Categorical and Normal heads (log_prob, entropy) with their validation on, as torch has it by
     default: every such model fell back to eager (the validation reads values into Python)."""
@@ -85,7 +60,7 @@ def test_a_policy_with_distributions_trains_in_ort_like_eager():
     batches = [_ppo_batch(s) for s in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback warning
-        wrapped = _train(ActorCritic(), batches)
+        wrapped = train_side_by_side(ActorCritic(), batches, lambda loss, _: loss, rtol=2e-5, seed=100)
     assert wrapped.stats.fallbacks == 0
 
 
@@ -136,7 +111,7 @@ def test_likelihoods_train_in_ort_like_eager(form):
     batches = [(torch.randn(N_ROWS, 16, generator=g), torch.randn(N_ROWS, 16, generator=g)) for _ in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = _train(Likelihood(form), batches)
+        wrapped = train_side_by_side(Likelihood(form), batches, lambda loss, _: loss, rtol=2e-5, steps=3, seed=100)
     falls_back = not TORCH_EXPORT and form in _TORCHSCRIPT_FALLS_BACK
     assert wrapped.stats.fallbacks == int(falls_back)
 

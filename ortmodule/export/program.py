@@ -585,6 +585,7 @@ class _Captured(_Flat):
         module = getattr(self, WRAPPER_ATTR)
         before = atomic_attributes(module)
         slots = tensor_slots(module)
+        stores = None  # NOTE [stored tensors]: seen here, inside the trace: torch.export puts a list appended to back
         try:
             outs = super().forward(*tensors)
             now = tensor_slots(module)
@@ -604,8 +605,8 @@ class _Captured(_Flat):
         finally:
             after = atomic_attributes(module)
             writes = {k: v for k, v in after.items() if k not in before or before[k] != v}
-            # NOTE [stored tensors]: seen here, inside the trace: torch.export puts a list appended to back
-            stores = stored_names(slots, tensor_slots(module), hook_managed(module))
+            if stores is None:  # the forward raised
+                stores = stored_names(slots, tensor_slots(module), hook_managed(module))
             self._sink({**{k: getattr(self, k) for k in self._KEPT}, "attribute_writes": writes,
                         "attributes_before": before, "tensor_stores": stores})
 

@@ -5,6 +5,7 @@ called in forward, and ATen ops whose ONNX translation has no gradient rule, bec
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import re
@@ -28,42 +29,10 @@ from ..runtime.torch_nodes import (
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def function_call(original, cls, args: tuple, kwargs: dict, where: str):
-    """The traced stand-in for ``cls.apply(*args, **kwargs)``: one ``torch_call`` node whose torch
-    call is the Function's own ``apply`` (forward and backward as in eager).
-
-    Returns the outputs as ``apply`` would, or a reason it cannot be a torch node."""
-    define_torch_call_op()
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-    symbolic = [a for a in flat if isinstance(a, _SYM)]
-    if symbolic:
-        return None, (f"custom torch.autograd.Function '{cls.__qualname__}' ({where}) gets a size computed from "
-                      "an input's shape as a non-tensor argument: the graph would keep the traced value")
-    template = [None if i in positions else a for i, a in enumerate(flat)]
-
-    def fn(*tensors):
-        leaves = list(template)
-        for i, t in zip(positions, tensors):
-            leaves[i] = t
-        a, k = pytree.tree_unflatten(leaves, spec)
-        return original(cls, *a, **k)
-
-    key = register_call(TorchCall(fn, f"custom autograd.Function '{cls.__qualname__}'",
-                                  "a custom autograd.Function runs with its own forward and backward", where))
-    outs = torch.ops.ortmodule.torch_call([flat[i] for i in positions], key)
-    call = lookup_call(key)
-    return (outs[0] if call.single else tuple(outs)), None
-
-
-def drawing_call(func, args: tuple, kwargs: dict, where: str):
-    """NOTE [draws as torch nodes]: a random call whose values depend on tensors inside the graph
-    (``multinomial`` in ``Categorical.sample()``, ``_standard_gamma`` in ``Gamma`` / ``Beta.rsample()``,
-    ``_sample_dirichlet``, ``poisson``, ``binomial``) as one ``torch_call`` node: torch draws it during the
-    run, from eager's generator, with torch's own gradient (the reparameterised gamma's). It keeps
-    eager's stream only where every draw the graph makes before the run comes first in eager too
-    (NOTE [draws in torch nodes]: the capture refuses it otherwise). Returns None where the call cannot
-    be one (a size computed from an input's shape as an argument)."""
+def _call_node(target, args: tuple, kwargs: dict, what: str, reason: str, where: str):
+    """One ``torch_call`` node running ``target(*args, **kwargs)``, the tensors among the arguments its
+    inputs and the rest fixed; the outputs as ``target`` returns them, or None where an argument is a
+    size computed from an input's shape (the graph would keep the traced value)."""
     define_torch_call_op()
     flat, spec = pytree.tree_flatten((args, kwargs))
     if any(isinstance(a, _SYM) for a in flat):
@@ -76,12 +45,38 @@ def drawing_call(func, args: tuple, kwargs: dict, where: str):
         for i, t in zip(positions, tensors):
             leaves[i] = t
         a, k = pytree.tree_unflatten(leaves, spec)
-        return func(*a, **k)
+        return target(*a, **k)
 
+    key = register_call(TorchCall(fn, what, reason, where))
+    outs = torch.ops.ortmodule.torch_call([flat[i] for i in positions], key)
+    return outs[0] if lookup_call(key).single else tuple(outs)
+
+
+def function_call(original, cls, args: tuple, kwargs: dict, where: str):
+    """The traced stand-in for ``cls.apply(*args, **kwargs)``: one ``torch_call`` node whose torch
+    call is the Function's own ``apply`` (forward and backward as in eager).
+
+    Returns the outputs as ``apply`` would, or a reason it cannot be a torch node."""
+    out = _call_node(functools.partial(original, cls), args, kwargs,
+                     f"custom autograd.Function '{cls.__qualname__}'",
+                     "a custom autograd.Function runs with its own forward and backward", where)
+    if out is None:
+        return None, (f"custom torch.autograd.Function '{cls.__qualname__}' ({where}) gets a size computed from "
+                      "an input's shape as a non-tensor argument: the graph would keep the traced value")
+    return out, None
+
+
+def drawing_call(func, args: tuple, kwargs: dict, where: str):
+    """NOTE [draws as torch nodes]: a random call whose values depend on tensors inside the graph
+    (``multinomial`` in ``Categorical.sample()``, ``_standard_gamma`` in ``Gamma`` / ``Beta.rsample()``,
+    ``_sample_dirichlet``, ``poisson``, ``binomial``) as one ``torch_call`` node: torch draws it during the
+    run, from eager's generator, with torch's own gradient (the reparameterised gamma's). It keeps
+    eager's stream only where every draw the graph makes before the run comes first in eager too
+    (NOTE [draws in torch nodes]: the capture refuses it otherwise). Returns None where the call cannot
+    be one (a size computed from an input's shape as an argument)."""
     name = getattr(func, "__name__", str(func))
-    key = register_call(TorchCall(fn, f"torch.{name}", "it draws values that depend on tensors inside the graph: "
-                                  "torch draws them during the run, in eager's order", where))
-    return torch.ops.ortmodule.torch_call([flat[i] for i in positions], key)[0]
+    return _call_node(func, args, kwargs, f"torch.{name}", "it draws values that depend on tensors inside the "
+                      "graph: torch draws them during the run, in eager's order", where)
 
 
 def ctc_loss_call(args: tuple, kwargs: dict, where: str):
