@@ -1,10 +1,10 @@
 """A graph with torch nodes, run as ORT segments with torch calls between them (NOTE [torch nodes]).
 
-# NOTE [segments]: every node gets a phase: an ORT node runs in segment ``max(phase of what it
-# reads)``, where a torch node's outputs count one phase later than the node. Segment k's ORT nodes
-# run as one session, then the torch nodes of phase k. Nodes that do not depend on a torch node all
-# land in segment 0, so the ORT parts stay as large as the graph allows (one boundary per torch
-# node on a chain). ``Constant`` nodes are copied into every segment that reads them. A value
+# NOTE [segments]: every node gets a phase: an ORT node can run in segment ``max(phase of what it
+# reads)``, where a torch node's outputs count one phase later than the node, and runs in the first
+# phase that reads its outputs (NOTE [sunk nodes]). Segment k's ORT nodes run as one session, then the torch
+# nodes of phase k, so the ORT parts stay as large as the graph allows (one boundary per torch node
+# on a chain). ``Constant`` nodes are copied into every segment that reads them. A value
 # crosses a boundary as a torch tensor (DLPack both ways, no copy) and is dropped after its last
 # reader.
 """
@@ -160,6 +160,30 @@ def _phases(nodes: list[onnx.NodeProto], constants: dict, draws: dict[int, int],
     return phases if held == floor else _phases(nodes, constants, draws, held)
 
 
+def _sink(nodes: list[onnx.NodeProto], phases: list[int]) -> list[int]:
+    """NOTE [sunk nodes]: each ORT node moves to the first phase that reads its outputs (never before
+    the first that can run it). By ``_phases`` alone, everything that reads only the graph's inputs ran
+    in segment 0: every Linear's weight Transpose there, its MatMul after a torch node, where
+    onnxruntime can no longer fuse the two into one Gemm, and the transposed weights held across
+    every boundary. A/B (2 threads, HF models of benchmarks/bench_zoo.py whose GELU is a custom
+    autograd.Function, one torch node per layer; one process, order rotated, 24 reps, fwd+bwd
+    medians): bert-cls 150.2 -> 142.8 ms, gpt2-lm 213.5 -> 197.0 ms (eager 155.3 / 261.3). A node
+    that nothing reads (a graph output only) stays where it is."""
+    at = {o: i for i, n in enumerate(nodes) for o in n.output}
+    readers: list[list[int]] = [[] for _ in nodes]
+    for j, node in enumerate(nodes):
+        for x in _reads(node):
+            i = at.get(x)
+            if i is not None and j not in readers[i]:
+                readers[i].append(j)
+    sunk = list(phases)
+    for i in reversed(range(len(nodes))):
+        if sunk[i] < 0 or nodes[i].domain == TORCH_DOMAIN or not readers[i]:
+            continue
+        sunk[i] = max(phases[i], min(sunk[j] for j in readers[i]))
+    return sunk
+
+
 class SegmentedRunner:
     """Runs one ONNX model holding torch nodes: same interface as :class:`GraphRunner`, plus the
     run's torch-node ``state`` (NOTE [torch nodes])."""
@@ -177,7 +201,7 @@ class SegmentedRunner:
         constants = {o: n for n in graph.node if n.op_type == "Constant" and not n.input for o in n.output}
         nodes = list(graph.node)
         draws = _draw_indices(nodes)
-        phases = _phases(nodes, constants, draws, {})
+        phases = _sink(nodes, _phases(nodes, constants, draws, {}))
         n_phases = max(phases, default=0) + 1
         used = {x for n in graph.node for x in _reads(n)} | set(self.output_names)
         # plan: per phase, the ORT nodes, then the torch nodes
