@@ -184,6 +184,9 @@ def _sink(nodes: list[onnx.NodeProto], phases: list[int]) -> list[int]:
     return sunk
 
 
+SPIN_NODES = 32  # NOTE [segment threads]: a segment of at least this many ORT nodes spins
+
+
 class SegmentedRunner:
     """Runs one ONNX model holding torch nodes: same interface as :class:`GraphRunner`, plus the
     run's torch-node ``state`` (NOTE [torch nodes])."""
@@ -235,12 +238,17 @@ class SegmentedRunner:
             if any(o in later_reads[k] or o in torch_reads for n in ort_nodes[k] for o in n.output):
                 seg = self._segment(model, ort_nodes[k], constants, initializers, types,
                                     later_reads[k] | torch_reads, k)
-                options = make_options(spinning=False, segment=self.n_segments)
                 # NOTE [segment threads]: torch calls sit between these runs, and after each of them
                 # torch's OpenMP workers spin (for milliseconds with libgomp's defaults, torch imported
-                # first); ORT workers spinning beside them halve both. Segments do not spin: CNN fwd+bwd
-                # with torch imported first 24.3 -> 18.3 ms median (eager 17.5), where a whole graph
-                # keeps spinning (MLP 2.51 vs 2.69 ms, BERT 308 vs 323 ms without).
+                # first); ORT workers spinning beside them halve both. Small segments do not spin: CNN
+                # fwd+bwd with torch imported first 24.3 -> 18.3 ms median (eager 17.5). A segment of
+                # many nodes does (its run releases torch's workers first, NOTE [omp pause]): without
+                # spinning, each of its parallel ops waits for a parked ORT worker to wake. A/B (HF
+                # models with a custom-Function GELU per layer, segments of 21-182 nodes, one process,
+                # fwd+bwd medians, two runs): bert-cls 150 / 145 -> 116 / 117 ms, gpt2-lm 197 -> 176
+                # ms; all segments spinning, the CNN (segments of 2-11 nodes) went +1-3% on average
+                # (noise-level) and ConvNeXt (4-103) stayed level.
+                options = make_options(spinning=len(ort_nodes[k]) >= SPIN_NODES, segment=self.n_segments)
                 runner = GraphRunner(seg, device, options, stable_inputs=stable_inputs)
                 self.steps.append(("ort", runner, runner.output_names))
                 self.n_segments += 1
