@@ -49,6 +49,7 @@ from .runtime.cache import LRUCache
 from .runtime.disk_cache import DiskCache
 from .runtime.entry import CompiledEntry
 from .runtime.segments import has_torch_nodes, torch_node_count
+from .runtime.torch_nodes import UnseenDraws
 from .verify import Verification
 
 _CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, slice, type(...))
@@ -513,6 +514,13 @@ class ORTModule(nn.Module):
                 outs = results[:n_user]
         except ValueCheckFailed:  # NOTE [value checks]: eager raises its own error (nothing was written back)
             _set_rng_states(rng)
+            out = module(*args, **kwargs)
+            self._guard = self._exported_guard = snapshot(module)[1]
+            return out
+        except UnseenDraws as exc:  # NOTE [custom ops]: nothing was written back either
+            _set_rng_states(rng)
+            with self._lock:
+                self._entries.put(sig, self._fall_back(ExportError(str(exc))))
             out = module(*args, **kwargs)
             self._guard = self._exported_guard = snapshot(module)[1]
             return out

@@ -860,3 +860,135 @@ def test_drawing_torch_nodes_run_in_eager_order():
     eager, wrapped = copy.deepcopy(model), ORTModule(copy.deepcopy(model))
     _same_draws(eager, wrapped, torch.randn(2048, 16), steps=3)
     assert wrapped.stats.fallbacks == 0 and wrapped.stats.torch_nodes == 3
+
+
+# -- custom ops (torch.library) and transformers' MoE experts: NOTE [custom ops] ------------------------
+
+@torch.library.custom_op("ortmodule_tests::soft_clip", mutates_args=())
+def soft_clip(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """A user's own kernel as a custom op: limit * tanh(x / limit)."""
+    return limit * torch.tanh(x / limit)
+
+
+@soft_clip.register_fake
+def _(x, limit):
+    return torch.empty_like(x)
+
+
+def _soft_clip_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.limit = inputs[1]
+
+
+def _soft_clip_backward(ctx, g):
+    (y,) = ctx.saved_tensors
+    return g * (1 - (y / ctx.limit) ** 2), None
+
+
+soft_clip.register_autograd(_soft_clip_backward, setup_context=_soft_clip_setup)
+
+
+@torch.library.custom_op("ortmodule_tests::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    """A custom op whose kernel draws (its fake kernel cannot show it)."""
+    return x + 0.1 * torch.randn_like(x)
+
+
+@noisy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+noisy.register_autograd(lambda ctx, g: g)
+
+
+class CustomOpNet(nn.Module):
+    def __init__(self, noise: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.noise = noise
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 4)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        h = self.drop(self.a(x))
+        h = noisy(h) if self.noise else soft_clip(h, 2.0)
+        return self.b(self.drop(h))
+
+
+def test_a_custom_op_runs_as_a_torch_node_with_its_own_autograd():
+    from ortmodule import explain
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4096, 32) * 3, torch.randn(4096, 4)) for _ in range(3)]
+    om = train_side_by_side(CustomOpNet(), batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=2e-5,
+                            kwargs_fn=lambda b: {"x": b[0]})
+    assert om.stats.fallbacks == 0
+    report = explain(CustomOpNet(), batches[0][0])
+    assert [t.what for t in report.torch_nodes] == ["ortmodule_tests::soft_clip.default"], report
+
+
+def test_a_custom_op_that_draws_falls_back_with_eagers_numbers():
+    """Its draws would come after the dropout masks drawn before the run, out of eager's order: seen
+    moving the generator, the call runs eagerly (the generator put back first), and so do the next."""
+    torch.manual_seed(0)
+    model = CustomOpNet(noise=True, dropout=0.2)
+    batches = [(torch.randn(2048, 32), torch.randn(2048, 4)) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        om = train_side_by_side(model, batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=1e-6, seed=7,
+                                kwargs_fn=lambda b: {"x": b[0]})
+    assert om.stats.fallbacks == 1
+    assert any("ortmodule_tests::noisy" in str(w.message) and "random generator" in str(w.message) for w in caught)
+
+
+def _moe(arch: str) -> nn.Module:
+    import transformers as T
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=1024, output_router_logits=True,
+                  router_aux_loss_coef=0.02)
+    if arch == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=128, num_local_experts=4, **common))
+    return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                                  shared_expert_intermediate_size=128, num_experts=4, **common))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_experts_train_in_ort_like_eager(arch):
+    """transformers' MoE experts on CPU call its ``grouped_mm_fallback`` custom op (8192 tokens over 4
+    experts: thousands of rows per group, and of repeated gather indices in the backward)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 512, (8, 1024), generator=g),) for _ in range(2)]
+    om = train_side_by_side(_moe(arch), batches, lambda out, b: out.loss, rtol=2e-5,
+                            kwargs_fn=lambda b: {"input_ids": b[0], "labels": b[0]})
+    assert om.stats.fallbacks == 0
+    assert om.stats.torch_nodes > 0
+
+
+class GroupedExperts(nn.Module):
+    """Top-1 experts by ``F.grouped_mm`` over rows sorted by expert, as users write MoE layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.w1 = nn.Parameter(torch.randn(4, 32, 64) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(4, 64, 32) * 0.1)
+
+    def forward(self, x):
+        scores = self.router(x).softmax(-1)
+        ids, perm = torch.sort(scores.argmax(-1))
+        offs = torch.cumsum(torch.histc(ids.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        y = F.grouped_mm(F.grouped_mm(x[perm], self.w1, offs=offs).relu(), self.w2, offs=offs)
+        out = torch.empty_like(y)
+        out[perm] = y
+        return out * scores.amax(-1, keepdim=True)
+
+
+def test_grouped_mm_runs_as_a_torch_node():
+    """NOTE [grouped mm as a torch node]: torch.export's fake kernel of ``_grouped_mm`` fails on CPU."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(8192, 32), torch.randn(8192, 32)) for _ in range(2)]
+    om = train_side_by_side(GroupedExperts(), batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=2e-5,
+                            kwargs_fn=lambda b: {"x": b[0]})
+    assert om.stats.fallbacks == 0 and om.stats.torch_nodes > 0

@@ -734,6 +734,12 @@ class _Base(TorchFunctionMode):
             from .torch_calls import ctc_loss_call  # NOTE [ctc as a torch node]
 
             return ctc_loss_call(args, kwargs, user_location())
+        if func is torch._grouped_mm and self.watch is not None and self.watch.torch_nodes and not inside_call():
+            from .torch_calls import grouped_mm_call  # NOTE [grouped mm as a torch node]
+
+            out = grouped_mm_call(args, kwargs, user_location())
+            if out is not None:
+                return out
         if func is _F_SDPA:
             out = self.sdpa_call(args, kwargs)
             if out is not NOT_REWRITTEN:

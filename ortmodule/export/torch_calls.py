@@ -106,6 +106,36 @@ def ctc_loss_call(args: tuple, kwargs: dict, where: str):
     return torch.ops.ortmodule.torch_call([a[n] for n in slots], key)[0]
 
 
+def grouped_mm_call(args: tuple, kwargs: dict, where: str):
+    """NOTE [grouped mm as a torch node]: ``torch._grouped_mm`` (``F.grouped_mm``; transformers' MoE experts:
+    Mixtral, Qwen2-MoE, ...) as one ``torch_call`` node, run by torch's kernel with torch's backward. Its
+    output's shape follows from the operands' (the offsets only say which rows go to which group), but
+    torch.export's fake kernel fails on CPU; the capture computes the shape here. Returns None for a
+    form this does not cover (the trace then goes on as it would have)."""
+    bound = inspect.signature(lambda mat_a, mat_b, offs=None, bias=None, out_dtype=None: None).bind(*args, **kwargs)
+    a = dict(bound.arguments)
+    x, w, offs = a["mat_a"], a.get("mat_b"), a.get("offs")
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None
+    grouped = x.dim() == 2 and w.dim() == 3 and isinstance(offs, torch.Tensor)  # rows grouped by offs
+    batched = x.dim() == 3 and w.dim() == 3 and offs is None
+    if not (grouped or batched):
+        return None
+    dtype = a.get("out_dtype") or x.dtype
+    slots = [k for k in ("offs", "bias") if isinstance(a.get(k), torch.Tensor)]
+    fixed = {k: v for k, v in a.items() if k not in ("mat_a", "mat_b", *slots)}
+    define_torch_call_op()
+
+    def fn(x_, w_, *rest):
+        if is_fake(x_):  # the capture: only the output's shape and dtype
+            return x_.new_empty((*x_.shape[:-1], w_.shape[2]), dtype=dtype)
+        return torch._grouped_mm(x_, w_, **fixed, **dict(zip(slots, rest)))
+
+    key = register_call(TorchCall(fn, "torch._grouped_mm", "torch.export cannot trace its CPU kernel and ONNX has "
+                                  "no grouped matmul: it runs in torch", where))
+    return torch.ops.ortmodule.torch_call([x, w, *(a[k] for k in slots)], key)[0]
+
+
 _FX_NAME = re.compile(r"^%(\S+) :")
 _RNN = {"gru", "lstm", "rnn_tanh", "rnn_relu"}
 
@@ -198,17 +228,45 @@ _AS_TORCH = {
 }
 
 
+# NOTE [custom ops]: an op a library defines with torch.library (``transformers::grouped_mm_fallback``,
+# the MoE experts of Mixtral / Qwen2-MoE on CPU; users' own ``custom_op``s) has no ONNX translation: it
+# runs as a torch node, its registered fake kernel giving the capture its output shapes and its
+# registered autograd its gradient. One that writes an argument (a mutable schema) is left as it is,
+# and the translation then fails naming it.
+_NOT_CUSTOM = ("aten", "prims", "ortmodule")
+
+
+def _custom_op(target) -> bool:
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in _NOT_CUSTOM:
+        return False
+    schema = target._schema
+    return not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
+
+
 def torch_only_nodes(ep) -> dict[str, str]:
-    """FX node name -> reason, for the ops only torch's own kernel computes as eager does (NOTE [as torch])."""
+    """FX node name -> reason, for the ops only torch's own kernel computes as eager does (NOTE [as torch])
+    and the custom ops (NOTE [custom ops])."""
     found = {}
     for node in ep.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and node.target.namespace == "aten":
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if _custom_op(node.target):
+            found[node.name] = f"a custom op ({node.target.namespace}::{node.target._opname}) runs its own kernel"
+        elif node.target.namespace == "aten":
             why = _AS_TORCH.get(node.target._schema.name.split("::")[-1])
             reason = why(node) if why is not None else None
             if reason is not None:
                 found[node.name] = reason
     return found
+
+
+def _fake_kernel(target):
+    """A custom op's registered fake kernel (NOTE [custom ops]), or None."""
+    from torch._library.simple_registry import singleton
+
+    entry = singleton.find(f"{target.namespace}::{target._opname}")
+    kernel = entry.fake_impl.kernel if entry is not None else None
+    return kernel.func if kernel is not None else None
 
 
 def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
@@ -228,9 +286,11 @@ def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
     for node in list(graph.nodes):
         if node.name not in names or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if node.target.namespace != "aten":  # ortmodule's own placeholders, prims (no autograd) are never torch nodes
-            continue
         target = node.target
+        # ortmodule's own placeholders, prims (no autograd) are never torch nodes
+        fake = _fake_kernel(target) if _custom_op(target) else None
+        if target.namespace != "aten" and fake is None:
+            continue
         flat, spec = pytree.tree_flatten((node.args, node.kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)]
         if not all(isinstance(flat[i].meta.get("val"), torch.Tensor) for i in positions):
@@ -246,18 +306,19 @@ def to_torch_calls(ep, names: dict[str, str]) -> list[str]:
             continue  # ONNX has no complex type: torchlib writes them as real pairs
         template = [None if i in positions else a for i, a in enumerate(flat)]
 
-        def fn(*tensors, _template=template, _positions=positions, _spec=spec, _target=target):
+        def fn(*tensors, _template=template, _positions=positions, _spec=spec, _target=target, _fake=fake):
             leaves = list(_template)
             for i, t in zip(_positions, tensors):
                 leaves[i] = t
             a, k = pytree.tree_unflatten(leaves, _spec)
+            if _fake is not None and any(is_fake(t) for t in tensors):
+                return _fake(*a, **k)  # NOTE [custom ops]: its autograd wrapper cannot run on fake tensors
             return _target(*a, **k)
 
         qualified = f"{target.namespace}::{target._schema.name.split('::')[-1]}.{target._overloadname}"
         why = names[node.name]
         why = why if " " in why else f"no gradient rule for the ONNX op '{why}' it translates to"
-        call = TorchCall(fn, qualified, why,
-                         n_outputs=len(outs), single=single)
+        call = TorchCall(fn, qualified, why, n_outputs=len(outs), single=single, custom_op=fake is not None)
         key = register_call(call)
         with graph.inserting_before(node):
             new = graph.call_function(torch.ops.ortmodule.torch_call.default, ([flat[i] for i in positions], key))

@@ -613,7 +613,9 @@ def _install_apply_hook() -> None:
 
         def apply(cls, *args, **kwargs):
             watch = getattr(_local, "watch", None)
-            if watch is not None and watch.tracing():
+            # NOTE [custom ops]: torch.library gives a custom op's autograd (register_autograd) as a Function
+            # of its own: that is the op itself, which the trace records with its fake kernel
+            if watch is not None and watch.tracing() and not cls.__module__.startswith("torch._library"):
                 if cls is CheckpointFunction:
                     function, preserve_rng, *inputs = args
                     if not preserve_rng:

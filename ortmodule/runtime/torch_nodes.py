@@ -45,6 +45,7 @@ class TorchCall:
     single: bool = True  # fn returns one tensor, not a tuple
     writes_inputs: bool = False  # NOTE [dirty inputs]: it writes an input in place (ctx.mark_dirty)
     draw_index: int | None = None  # NOTE [draw order]: its place among the capture's drawing torch nodes
+    custom_op: bool = False  # NOTE [custom ops]: a torch.library op, whose draws the capture cannot see
     # NOTE [torch node autocast]: a torch node runs with autocast off, as the capture ran it: its
     # kernel runs below the Autocast key (measured: a matmul inside a Function came out fp32 in the
     # capture under fp16 autocast), and the graph holds the casts of everything around it. A custom
@@ -192,11 +193,37 @@ def define_torch_call_op() -> None:
             pass
 
 
+class UnseenDraws(Exception):
+    """A custom op's torch node drew from torch's generator while the graph ran (NOTE [custom ops])."""
+
+
+def _generator_state(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    device = inputs[0].device if inputs else torch.device("cpu")
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
 def run_forward(key: int, name: str, inputs: Sequence[torch.Tensor], grad_inputs: Sequence[int],
                 state: dict | None) -> list[torch.Tensor]:
     """Run the forward torch node ``name``. With ``state`` (a training forward), the inputs at
     ``grad_inputs`` get gradients and torch keeps the call's backward for :func:`run_backward`."""
     call = lookup_call(key)
+    if not call.custom_op:
+        return _run_forward(call, name, inputs, grad_inputs, state)
+    # NOTE [custom ops]: the capture ran its fake kernel, so a draw inside its real kernel was never
+    # seen: it would take its numbers out of eager's order (after the dropout masks drawn before the
+    # run). Seen drawing here, the call runs eagerly instead (ORTModule puts the generator back).
+    before = _generator_state(inputs)
+    outs = _run_forward(call, name, inputs, grad_inputs, state)
+    if not torch.equal(before, _generator_state(inputs)):
+        where = f" ({call.where})" if call.where else ""
+        raise UnseenDraws(f"{call.what}{where} draws from torch's random generator inside its kernel, "
+                          "which the capture cannot see (it runs the op's fake kernel): the graph would draw "
+                          "out of eager's order; this input signature runs eagerly")
+    return outs
+
+
+def _run_forward(call: TorchCall, name: str, inputs: Sequence[torch.Tensor], grad_inputs: Sequence[int],
+                 state: dict | None) -> list[torch.Tensor]:
     if state is None or not grad_inputs:
         with torch.no_grad(), _autocast_for(call, inputs):
             args = [t.clone() for t in inputs] if call.writes_inputs else inputs  # NOTE [dirty inputs]
