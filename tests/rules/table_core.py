@@ -88,6 +88,11 @@ row("Pow", "Pow_float_exp", [positive(3, 4), randn(3, 4)], torch.pow)
 row("Pow", "Pow_float_exp_broadcast", [positive(3, 4), randn(4)], torch.pow)
 # x ** 2.0 with a negative base: only the base is differentiated (d/db would be log(negative)).
 row("Pow", "Pow_scalar_float_exp", [away(3, 4), np.array(2.0, np.float32)], torch.pow, grad_inputs=[0])
+# a constant exponent 2 (x ** 2): the gradient is 2 * x without a Pow; 3 keeps the Pow
+# (their own generator: drawing from _rng would change every later row's inputs)
+_base = np.random.default_rng(11).standard_normal((3, 4)).astype(np.float32)
+row("Pow", "Pow_const_square", [_base, np.array(2.0, np.float32)], torch.pow, const_inputs=[1])
+row("Pow", "Pow_const_cube", [_base, np.array(3.0, np.float32)], torch.pow, const_inputs=[1])
 row("Pow", "Pow_int_exp", [away(3, 4), i64(3)], torch.pow)
 row("Pow", "Pow_int_exp_tensor", [positive(3, 4), i64([[2, 3, 1, 4]])], torch.pow)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import onnx_ir as ir
 
 from ..registry import GradBuilder, register
@@ -107,6 +108,17 @@ def div_grad(g: GradBuilder, node: ir.Node, dys):
     return [g.reduce_to(da, a, y.shape), g.reduce_to(db, b, y.shape)]
 
 
+def _scalar_const(v: ir.Value) -> float | None:
+    """A constant one-element value as a float, else None."""
+    t = v.const_value if v is not None else None
+    if t is None:
+        t = ir.convenience.get_const_tensor(v) if v is not None else None
+    if t is None:
+        return None
+    arr = np.asarray(t.numpy())
+    return float(arr.reshape(-1)[0]) if arr.size == 1 else None
+
+
 @register("Pow")
 def pow_grad(g: GradBuilder, node: ir.Node, dys):
     a, b = node.inputs
@@ -114,8 +126,14 @@ def pow_grad(g: GradBuilder, node: ir.Node, dys):
     dy = dys[0]
     # d a^b / da = b a^(b-1); computed as b * a^(b-1) (not y/a, which breaks at a=0)
     b_cast = b if b.dtype == a.dtype else g.cast_like(b, a)
-    b_minus_1 = g.op("Sub", [b_cast, g.scalar_like(1.0, a)])
-    da = g.mul(dy, g.mul(b_cast, g.op("Pow", [a, b_minus_1])))
+    if _scalar_const(b) == 2.0:
+        # x ** 2 (RMSNorm's variance, squared losses): a^1 is a itself, where onnxruntime's Pow with
+        # exponent 1 runs the generic per-element pow (~1 ms on [8, 128, 256]; Mixtral-4L's backward
+        # spent 8.8 ms in eight of them)
+        da = g.mul(dy, g.mul(b_cast, a))
+    else:
+        b_minus_1 = g.op("Sub", [b_cast, g.scalar_like(1.0, a)])
+        da = g.mul(dy, g.mul(b_cast, g.op("Pow", [a, b_minus_1])))
     if b.const_value is None:  # torch: 0 where b == 0 (0 * 0^-1 would be NaN at a == 0)
         b_zero = g.op("Equal", [b_cast, g.scalar_like(0.0, a)])
         da = g.op("Where", [b_zero, g.scalar_like(0.0, da), da], dtype=da.dtype)
