@@ -2,9 +2,9 @@
 
 # NOTE [segments]: every node gets a phase: an ORT node can run in segment ``max(phase of what it
 # reads)``, where a torch node's outputs count one phase later than the node, and runs in the first
-# phase that reads its outputs (NOTE [sunk nodes]). Segment k's ORT nodes run as one session, then the torch
-# nodes of phase k, so the ORT parts stay as large as the graph allows (one boundary per torch node
-# on a chain). ``Constant`` nodes are copied into every segment that reads them. A value
+# phase that reads its outputs (NOTE [sunk nodes]). Segment k's ORT nodes run as one session, then
+# the torch nodes of phase k, so the ORT parts stay as large as the graph allows (one boundary per
+# torch node on a chain). ``Constant`` nodes are copied into every segment that reads them. A value
 # crosses a boundary as a torch tensor (DLPack both ways, no copy) and is dropped after its last
 # reader.
 """
