@@ -3,7 +3,8 @@
 ``hf_zoo.py`` checks that each architecture trains in ONNX Runtime at toy sizes; this script asks
 whether it is faster than eager PyTorch as users run it: torch imported first, models built from
 configs (no downloads) at hidden 256, 4 layers, 4 heads, FFN 1024, sequence 128 (ViT: 64 patches;
-ConvNeXt: 4 stages of 32-256 channels on 64x64 images), batch 8, dropout as configured, fp32, AdamW.
+ConvNeXt: 4 stages of 32-256 channels on 64x64 images; Mixtral / Qwen2-MoE: 4 experts, top-2), batch 8,
+dropout as configured, fp32, AdamW.
 Per model, one process runs eager and ORTModule on the same module, interleaved rep by rep (so a
 noisy host slows both), and times forward + loss + backward and the full step with AdamW.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_zoo.py: the models
 
 MODELS = ("bert-cls", "roberta-mlm", "distilbert-qa", "gpt2-lm", "llama-lm", "mistral-lm", "qwen2-lm",
-          "gptneox-lm", "phi-lm", "t5", "vit-cls", "convnext-cls")
+          "mixtral-lm", "qwen2moe-lm", "gptneox-lm", "phi-lm", "t5", "vit-cls", "convnext-cls")
 
 
 def build(name: str, quick: bool):

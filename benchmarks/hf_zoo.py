@@ -53,6 +53,12 @@ def factories(h=32, layers=2, heads=2, dec_heads=4, ffn=64, vocab=V, *, position
         "llama-lm": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**gqa)), "lm"),
         "mistral-lm": (lambda: T.MistralForCausalLM(T.MistralConfig(sliding_window=sliding_window, **gqa)), "lm"),
         "qwen2-lm": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**gqa)), "lm"),
+        # mixtures of experts: transformers' grouped matmul custom op runs as a torch node (NOTE [custom ops])
+        "mixtral-lm": (lambda: T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                    **gqa)), "lm"),
+        "qwen2moe-lm": (lambda: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=max(4, ffn // 2),
+            shared_expert_intermediate_size=ffn, **gqa)), "lm"),
         "gptneox-lm": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**dec)), "lm"),
         "phi-lm": (lambda: T.PhiForCausalLM(T.PhiConfig(**dec)), "lm"),
         "t5": (lambda: T.T5ForConditionalGeneration(T.T5Config(
