@@ -992,3 +992,35 @@ def test_grouped_mm_runs_as_a_torch_node():
     om = train_side_by_side(GroupedExperts(), batches, lambda out, b: F.mse_loss(out, b[-1]), rtol=2e-5,
                             kwargs_fn=lambda b: {"x": b[0]})
     assert om.stats.fallbacks == 0 and om.stats.torch_nodes > 0
+
+
+class TransposedExperts(nn.Module):
+    """Expert weights stored [E, out, in] and passed transposed, with an output width of 6 floats (24-byte
+    rows): torch's CPU grouped matmul takes eager's transposed view, not a contiguous copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.w1 = nn.Parameter(torch.randn(4, 64, 32) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(4, 6, 64) * 0.1)
+
+    def forward(self, x):
+        ids, perm = torch.sort(self.router(x).argmax(-1))
+        offs = torch.cumsum(torch.histc(ids.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        h = F.grouped_mm(x[perm], self.w1.transpose(-2, -1), offs=offs).relu()
+        y = F.grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        out = torch.empty_like(y)
+        out[perm] = y
+        return out
+
+
+def test_grouped_mm_of_transposed_weights_runs_where_eager_runs():
+    """Eager's forward takes the transposed view (its backward, with 24-byte gradient rows, raises in both);
+    the graph hands the torch node a contiguous weight, which the kernel refused."""
+    torch.manual_seed(0)
+    model = TransposedExperts()
+    om = ORTModule(copy.deepcopy(model))
+    x = torch.randn(4096, 32)
+    with torch.no_grad():
+        assert_close(om(x), model(x), 1e-6, "no-grad output")
+    assert om.stats.fallbacks == 0 and om.stats.torch_nodes > 0

@@ -129,7 +129,16 @@ def grouped_mm_call(args: tuple, kwargs: dict, where: str):
     def fn(x_, w_, *rest):
         if is_fake(x_):  # the capture: only the output's shape and dtype
             return x_.new_empty((*x_.shape[:-1], w_.shape[2]), dtype=dtype)
-        return torch._grouped_mm(x_, w_, **fixed, **dict(zip(slots, rest)))
+        kw = {**fixed, **dict(zip(slots, rest))}
+        try:
+            return torch._grouped_mm(x_, w_, **kw)
+        except RuntimeError:
+            if not w_.is_contiguous():
+                raise
+            # torch's CPU kernel wants 16-byte strides: the graph hands a weight over contiguous where
+            # eager may have passed a transposed view ([E, N, K] weights, N * 4 bytes not a multiple of
+            # 16); the same values in that column-major layout
+            return torch._grouped_mm(x_, w_.transpose(-2, -1).contiguous().transpose(-2, -1), **kw)
 
     key = register_call(TorchCall(fn, "torch._grouped_mm", "torch.export cannot trace its CPU kernel and ONNX has "
                                   "no grouped matmul: it runs in torch", where))
