@@ -512,16 +512,12 @@ class ORTModule(nn.Module):
                 check_values(exported, results, len(mutated))
                 write_back(mutated, results[n_user : n_user + len(mutated)])
                 outs = results[:n_user]
-        except ValueCheckFailed:  # NOTE [value checks]: eager raises its own error (nothing was written back)
+        except (ValueCheckFailed, UnseenDraws) as exc:  # nothing was written back: eager runs this call
             _set_rng_states(rng)
-            out = module(*args, **kwargs)
-            self._guard = self._exported_guard = snapshot(module)[1]
-            return out
-        except UnseenDraws as exc:  # NOTE [custom ops]: nothing was written back either
-            _set_rng_states(rng)
-            with self._lock:
-                self._entries.put(sig, self._fall_back(ExportError(str(exc))))
-            out = module(*args, **kwargs)
+            if isinstance(exc, UnseenDraws):  # NOTE [custom ops]: and the next ones
+                with self._lock:
+                    self._entries.put(sig, self._fall_back(ExportError(str(exc))))
+            out = module(*args, **kwargs)  # NOTE [value checks]: raises eager's own error
             self._guard = self._exported_guard = snapshot(module)[1]
             return out
         except RuntimeError as exc:
